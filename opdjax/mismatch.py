@@ -1,0 +1,674 @@
+"""Training–inference mismatch: metrics on sampled tokens, full-distribution metrics, and corrections.
+
+Everything here is a pure JAX function of arrays: jit-able, vmap-able and sharding-agnostic (plain ``jnp`` ops, so
+inputs sharded over the batch axis just work). This is a base module: it imports nothing from the rest of opdjax.
+
+Notation. On the engine's own sampled tokens, ``mu`` is the rollout engine's distribution and ``pi`` the learner's
+(student). Per token ``r_t = clip(student_logp_t - rollout_logp_t, -20, 20)`` is the log of the importance ratio
+``rho_t = pi/mu``. ``mask_BT`` (bool or float 0/1) marks response tokens. Masked means divide by ``max(Σ mask, 1)``.
+Per sequence ``b``: ``n_b = Σ_t mask``, ``S_b = Σ_t mask·r_t``; a sequence counts iff ``n_b ≥ 1``.
+
+Non-finite inputs. Outside ``jax.jit`` (concrete inputs) a NaN/inf log-prob on an unmasked token raises
+``ValueError`` (see :func:`check_inputs`). Under ``jit`` we cannot raise, so such tokens are counted in
+``nan_count`` and excluded (treated as masked out); padding positions (mask 0) may hold anything.
+
+Keys of :func:`metrics` (all scalars; float unless noted; every key is 0 when no token counts, except
+``ppl_ratio`` = 1):
+
+=====================  ======================================================================================
+key                    definition
+=====================  ======================================================================================
+k1                     mean_t(-r)                                   — unbiased estimate of KL(mu‖pi)
+k2                     mean_t(r²/2)                                 — low variance, biased
+k3                     mean_t(exp(r) - r - 1)                       — unbiased, ≥ 0
+abs_log_ratio_mean     mean_t |r|
+abs_log_ratio_p95      95th percentile of |r| over unmasked tokens (linear interpolation, as ``np.percentile``)
+abs_log_ratio_max      max_t |r|
+chi2_token             mean_t(rho² - 1)                             — chi²(pi‖mu) per token
+chi2_seq               mean_b(exp(2·clip(S_b, ±20)) - 1)            — chi² of the sequence ratio Π rho
+log_ppl_gap_mean       mean_b g_b,  g_b = mean_t(rollout_logp) - mean_t(student_logp)  (raw, unclipped logps)
+log_ppl_gap_abs_mean   mean_b |g_b|
+log_ppl_gap_max        max_b g_b
+log_ppl_gap_min        min_b g_b
+ppl_ratio              exp(clip(log_ppl_gap_mean, ±20)) = ppl_student / ppl_rollout (geometric over sequences)
+is_ratio_mean          mean_t rho
+is_ratio_std           sqrt(mean_t (rho - is_ratio_mean)²)
+is_ratio_min           min_t rho
+is_ratio_max           max_t rho
+ess                    (Σ rho)² / (n · Σ rho²) ∈ (0, 1]             — normalised effective sample size
+frac_ratio_out         fraction of tokens with rho < 1/C or rho > C   (C = ratio_threshold)
+abs_prob_diff_mean     mean_t |exp(student_logp) - exp(rollout_logp)|  (logps clamped ≤ 20 before exp)
+num_tokens             n = Σ mask over finite tokens                (int32)
+num_seqs               number of sequences with ≥ 1 counted token   (int32)
+nan_count              unmasked tokens whose student or rollout logp is non-finite (int32)
+=====================  ======================================================================================
+
+:func:`full_distribution_metrics` keys: ``kl_full``, ``kl_full_max``, ``tv_full``, and with ``top_k``:
+``kl_topk``, ``tv_topk``, ``topk_mass_rollout``, ``topk_mass_student``.
+
+Corrections (weights multiply the per-token loss; all are ``stop_gradient`` and 0 on masked positions):
+:func:`is_weights` (truncated IS, token or sequence level), :func:`rejection_mask` (masked IS / IcePop,
+geometric-mean and k-estimate rejection), and the name registry :data:`CORRECTIONS` used through
+:class:`Correction` and :func:`apply_correction` (metric keys prefixed ``corr/``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+Metrics = dict[str, Array]
+
+LOG_RATIO_CLAMP = 20.0
+"""Log-ratios (and log-sums of them) are clamped to ±LOG_RATIO_CLAMP before ``exp``."""
+
+METRIC_KEYS = (
+    "k1", "k2", "k3",
+    "abs_log_ratio_mean", "abs_log_ratio_p95", "abs_log_ratio_max",
+    "chi2_token", "chi2_seq",
+    "log_ppl_gap_mean", "log_ppl_gap_abs_mean", "log_ppl_gap_max", "log_ppl_gap_min", "ppl_ratio",
+    "is_ratio_mean", "is_ratio_std", "is_ratio_min", "is_ratio_max", "ess",
+    "frac_ratio_out", "abs_prob_diff_mean",
+    "num_tokens", "num_seqs", "nan_count",
+)  # fmt: skip
+"""The stable key set of :func:`metrics`."""
+
+REJECTION_MODES = ("token", "sequence", "geometric", "k1", "k2", "k3")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _is_concrete(x) -> bool:
+    """True when ``x`` holds values we can inspect now (not a tracer under jit/vmap/grad)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_shapes(student_logp_BT, rollout_logp_BT, mask_BT) -> None:
+    s, r, m = np.shape(student_logp_BT), np.shape(rollout_logp_BT), np.shape(mask_BT)
+    if s != r:
+        raise ValueError(f"shape mismatch: student_logp_BT has shape {s} but rollout_logp_BT has shape {r}")
+    if m != s:
+        raise ValueError(f"shape mismatch: mask_BT has shape {m} but the log-probs have shape {s}")
+    if len(s) != 2:
+        raise ValueError(f"expected [B, T] log-probs and mask, got shape {s}")
+
+
+def _check_mask_values(mask) -> None:
+    """Raise ValueError unless a concrete mask is bool or holds only 0/1. Skipped for tracers."""
+    if not _is_concrete(mask):
+        return
+    m = np.asarray(mask)
+    if m.dtype == np.bool_:
+        return
+    try:
+        m = m.astype(np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"mask_BT must be bool or numeric 0/1, got dtype {m.dtype}") from None
+    ok = (m == 0) | (m == 1)
+    if not ok.all():
+        bad = np.unique(m[~ok])[:5]
+        raise ValueError(f"mask_BT must be bool or contain only 0/1; found values {bad.tolist()}")
+
+
+def _check_finite_masked(name: str, x, mask) -> None:
+    if not (_is_concrete(x) and _is_concrete(mask)):
+        return
+    xv = np.asarray(x, dtype=np.float64)
+    mv = np.asarray(mask).astype(bool)
+    bad = mv & ~np.isfinite(xv)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name} has {int(bad.sum())} non-finite value(s) on unmasked tokens (first at index {idx}: "
+            f"{xv[idx]}); expected finite log-probs"
+        )
+
+
+def check_inputs(student_logp_BT, rollout_logp_BT, mask_BT) -> None:
+    """Validate sampled-token inputs; raise ``ValueError`` naming the problem.
+
+    Checks: equal ``[B, T]`` shapes (message names both shapes); mask is bool or 0/1; no NaN/inf on unmasked
+    tokens. Value checks run only on concrete arrays (outside ``jit``); under ``jit`` only shapes are checked and
+    non-finite tokens are reported by the ``nan_count`` metric instead.
+    """
+    _check_shapes(student_logp_BT, rollout_logp_BT, mask_BT)
+    _check_mask_values(mask_BT)
+    _check_finite_masked("student_logp_BT", student_logp_BT, mask_BT)
+    _check_finite_masked("rollout_logp_BT", rollout_logp_BT, mask_BT)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Masked reductions
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _float_dtype(*xs) -> jnp.dtype:
+    """At least float32 (bf16/fp16 inputs are upcast); float64 stays float64."""
+    return jnp.result_type(jnp.float32, *[jnp.asarray(x).dtype for x in xs])
+
+
+def masked_mean(x: Array, mask: Array, axis=None) -> Array:
+    """Σ mask·x / max(Σ mask, 1) over ``axis``; 0 where nothing is unmasked.
+
+    Masked-out entries of ``x`` are replaced by 0 first, so they may hold anything (inf, NaN)."""
+    m = mask.astype(x.dtype)
+    return jnp.sum(jnp.where(mask, x, 0), axis=axis) / jnp.maximum(jnp.sum(m, axis=axis), 1)
+
+
+def masked_max(x: Array, mask: Array, axis=None) -> Array:
+    """max over unmasked entries; 0 where nothing is unmasked."""
+    out = jnp.max(x, axis=axis, where=mask, initial=-jnp.inf)
+    return jnp.where(jnp.any(mask, axis=axis), out, 0).astype(x.dtype)
+
+
+def masked_min(x: Array, mask: Array, axis=None) -> Array:
+    """min over unmasked entries; 0 where nothing is unmasked."""
+    out = jnp.min(x, axis=axis, where=mask, initial=jnp.inf)
+    return jnp.where(jnp.any(mask, axis=axis), out, 0).astype(x.dtype)
+
+
+def masked_quantile(x: Array, mask: Array, q: float) -> Array:
+    """q-quantile of the unmasked entries of ``x`` (all axes), linear interpolation as ``np.quantile``.
+
+    Masked entries are set to +inf and sorted to the end; the result interpolates between ranks
+    ``floor(q·(n-1))`` and the next one among the ``n`` unmasked entries. 0 when ``n == 0`` or ``x`` is empty.
+    """
+    x1, m1 = x.reshape(-1), mask.reshape(-1)
+    if x1.shape[0] == 0:
+        return jnp.zeros((), x.dtype)
+    n = jnp.sum(m1.astype(jnp.int32))
+    xs = jnp.sort(jnp.where(m1, x1, jnp.inf))
+    xs = jnp.where(jnp.arange(x1.shape[0]) < n, xs, 0)  # keep the tail finite
+    last = jnp.maximum(n, 1) - 1
+    pos = q * last.astype(x.dtype)
+    lo = jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, last)
+    hi = jnp.minimum(lo + 1, last)
+    frac = pos - lo.astype(x.dtype)
+    v = xs[lo] + frac * (xs[hi] - xs[lo])
+    return jnp.where(n > 0, v, 0).astype(x.dtype)
+
+
+def _ess(w: Array, mask: Array) -> Array:
+    """(Σ w)² / (n Σ w²) over unmasked entries; 0 when none (or all weights are 0)."""
+    wm = jnp.where(mask, w, 0)
+    n = jnp.sum(mask.astype(w.dtype))
+    s1, s2 = jnp.sum(wm), jnp.sum(wm * wm)
+    den = n * s2
+    return jnp.where(den > 0, s1 * s1 / jnp.where(den > 0, den, 1), 0)
+
+
+def _prepare(student_logp_BT, rollout_logp_BT, mask_BT):
+    """Shared front end: validate, upcast, exclude non-finite tokens.
+
+    Returns ``(student, rollout, valid_BT (bool), r_BT (clamped log-ratio, 0 where invalid), nan_count)``.
+    """
+    check_inputs(student_logp_BT, rollout_logp_BT, mask_BT)
+    dt = _float_dtype(student_logp_BT, rollout_logp_BT)
+    s = jnp.asarray(student_logp_BT, dt)
+    r = jnp.asarray(rollout_logp_BT, dt)
+    mask = jnp.asarray(mask_BT)
+    m = mask if mask.dtype == jnp.bool_ else mask != 0
+    finite = jnp.isfinite(s) & jnp.isfinite(r)
+    nan_count = jnp.sum((m & ~finite).astype(jnp.int32))
+    valid = m & finite
+    s = jnp.where(valid, s, 0)
+    r = jnp.where(valid, r, 0)
+    log_ratio = jnp.clip(s - r, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return s, r, valid, log_ratio, nan_count
+
+
+def _clip_exp(x: Array) -> Array:
+    return jnp.exp(jnp.clip(x, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def _k3_terms(r: Array) -> Array:
+    """exp(r) - r - 1, computed as expm1(r) - r and floored at 0 against rounding."""
+    return jnp.maximum(jnp.expm1(r) - r, 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampled-token metrics
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def log_ratio(student_logp_BT: Array, rollout_logp_BT: Array) -> Array:
+    """r = clip(student_logp - rollout_logp, ±20) = log(pi/mu), elementwise, any shape."""
+    return jnp.clip(student_logp_BT - rollout_logp_BT, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def k3_kl(student_logp_BT: Array, rollout_logp_BT: Array, mask_BT: Array) -> Array:
+    """k3 estimate of KL(mu‖pi) on the engine's own samples.
+
+    r = clamp(student_logp - rollout_logp, ±20);  k3 = Σ mask·(exp(r) - r - 1) / max(Σ mask, 1).
+    Non-negative; exactly zero when both log-probs agree on every unmasked token; finite for an all-masked batch.
+    """
+    _, _, valid, r, _ = _prepare(student_logp_BT, rollout_logp_BT, mask_BT)
+    return masked_mean(_k3_terms(r), valid)
+
+
+def metrics(
+    student_logp_BT: Array, rollout_logp_BT: Array, mask_BT: Array, *, ratio_threshold: float = 2.0
+) -> Metrics:
+    """All sampled-token mismatch metrics between the learner (pi) and the rollout engine (mu).
+
+    Args:
+      student_logp_BT: [B, T] learner log-prob of each sampled token.
+      rollout_logp_BT: [B, T] engine log-prob of the same tokens (after temperature / truncation).
+      mask_BT: [B, T] bool or 0/1; 1 on response tokens.
+      ratio_threshold: C > 1 for ``frac_ratio_out`` (tokens with rho outside [1/C, C]).
+
+    Returns the dict documented in the module docstring (:data:`METRIC_KEYS`), every value a scalar. Finite for
+    finite inputs, including all-masked rows and empty batches (B = 0 or T = 0). Under ``jit`` non-finite
+    unmasked tokens are excluded and counted in ``nan_count``; outside ``jit`` they raise ``ValueError``.
+    """
+    if isinstance(ratio_threshold, (int, float)) and not ratio_threshold > 1:
+        raise ValueError(f"ratio_threshold must be > 1, got {ratio_threshold}")
+    s, ro, valid, r, nan_count = _prepare(student_logp_BT, rollout_logp_BT, mask_BT)
+    dt = r.dtype
+    vf = valid.astype(dt)
+    n_tok = jnp.sum(valid.astype(jnp.int32))
+    rho = jnp.exp(r)
+    abs_r = jnp.abs(r)
+
+    # per sequence
+    n_B = jnp.sum(vf, axis=1)
+    seq_ok_B = n_B > 0
+    n_seq = jnp.sum(seq_ok_B.astype(jnp.int32))
+    sum_r_B = jnp.sum(jnp.where(valid, r, 0), axis=1)
+    gap_B = jnp.sum(ro - s, axis=1) / jnp.maximum(n_B, 1)  # s, ro are already 0 off `valid`
+    gap_mean = masked_mean(gap_B, seq_ok_B)
+
+    is_mean = masked_mean(rho, valid)
+    log_c = jnp.log(jnp.asarray(ratio_threshold, dt))
+    out = {
+        "k1": masked_mean(-r, valid),
+        "k2": masked_mean(0.5 * r * r, valid),
+        "k3": masked_mean(_k3_terms(r), valid),
+        "abs_log_ratio_mean": masked_mean(abs_r, valid),
+        "abs_log_ratio_p95": masked_quantile(abs_r, valid, 0.95),
+        "abs_log_ratio_max": masked_max(abs_r, valid),
+        "chi2_token": masked_mean(rho * rho - 1, valid),
+        "chi2_seq": masked_mean(_clip_exp(2 * jnp.clip(sum_r_B, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - 1, seq_ok_B),
+        "log_ppl_gap_mean": gap_mean,
+        "log_ppl_gap_abs_mean": masked_mean(jnp.abs(gap_B), seq_ok_B),
+        "log_ppl_gap_max": masked_max(gap_B, seq_ok_B),
+        "log_ppl_gap_min": masked_min(gap_B, seq_ok_B),
+        "ppl_ratio": _clip_exp(gap_mean),
+        "is_ratio_mean": is_mean,
+        "is_ratio_std": jnp.sqrt(masked_mean((rho - is_mean) ** 2, valid)),
+        "is_ratio_min": masked_min(rho, valid),
+        "is_ratio_max": masked_max(rho, valid),
+        "ess": _ess(rho, valid),
+        "frac_ratio_out": masked_mean(((r < -log_c) | (r > log_c)).astype(dt), valid),
+        "abs_prob_diff_mean": masked_mean(
+            jnp.abs(jnp.exp(jnp.minimum(s, LOG_RATIO_CLAMP)) - jnp.exp(jnp.minimum(ro, LOG_RATIO_CLAMP))), valid
+        ),
+        "num_tokens": n_tok,
+        "num_seqs": n_seq,
+        "nan_count": nan_count,
+    }
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Full-distribution metrics
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_logits(student_logits_BTV, rollout_logits_BTV, mask_BT=None) -> None:
+    s, r = np.shape(student_logits_BTV), np.shape(rollout_logits_BTV)
+    if s != r:
+        raise ValueError(f"shape mismatch: student_logits_BTV has shape {s} but rollout_logits_BTV has shape {r}")
+    if len(s) != 3:
+        raise ValueError(f"expected [B, T, V] logits, got shape {s}")
+    if mask_BT is not None:
+        m = np.shape(mask_BT)
+        if m != s[:2]:
+            raise ValueError(f"shape mismatch: mask_BT has shape {m} but the logits have shape {s} (expected {s[:2]})")
+        _check_mask_values(mask_BT)
+    for name, x in (("student_logits_BTV", student_logits_BTV), ("rollout_logits_BTV", rollout_logits_BTV)):
+        if _is_concrete(x) and np.isnan(np.asarray(x, dtype=np.float64)).any():
+            raise ValueError(f"{name} contains NaN; expected finite logits (-inf allowed for truncated entries)")
+
+
+def _log_softmax(logits_BTV: Array, temperature: float) -> Array:
+    if isinstance(temperature, (int, float)) and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    dt = _float_dtype(logits_BTV)
+    return jax.nn.log_softmax(jnp.asarray(logits_BTV, dt) / temperature, axis=-1)
+
+
+def _kl_tv_from_logp(logmu: Array, logpi: Array) -> tuple[Array, Array]:
+    """KL(mu‖pi) = Σ_v mu (log mu - log pi) and TV = ½ Σ_v |mu - pi| over the last axis.
+
+    Entries with mu = 0 contribute 0 to KL (so -inf rollout logits from top-k/top-p truncation are fine); an entry
+    with mu > 0 and pi = 0 makes KL +inf, as it should.
+    """
+    mu, pi = jnp.exp(logmu), jnp.exp(logpi)
+    kl = jnp.sum(jnp.where(mu > 0, mu * (logmu - jnp.where(mu > 0, logpi, 0)), 0), axis=-1)
+    tv = 0.5 * jnp.sum(jnp.abs(mu - pi), axis=-1)
+    return kl, tv
+
+
+def kl_per_position(student_logits_BTV: Array, rollout_logits_BTV: Array, *, temperature: float = 1.0) -> Array:
+    """[B, T] exact KL(mu‖pi) = Σ_v mu(v)(log mu(v) - log pi(v)), with mu = softmax(rollout_logits / temperature)
+    and pi = softmax(student_logits / temperature). ≥ 0 (up to rounding); 0 where the distributions agree."""
+    _check_logits(student_logits_BTV, rollout_logits_BTV)
+    return _kl_tv_from_logp(
+        _log_softmax(rollout_logits_BTV, temperature), _log_softmax(student_logits_BTV, temperature)
+    )[0]
+
+
+def tv_per_position(student_logits_BTV: Array, rollout_logits_BTV: Array, *, temperature: float = 1.0) -> Array:
+    """[B, T] total variation ½ Σ_v |mu(v) - pi(v)| ∈ [0, 1] (same mu, pi as :func:`kl_per_position`)."""
+    _check_logits(student_logits_BTV, rollout_logits_BTV)
+    return _kl_tv_from_logp(
+        _log_softmax(rollout_logits_BTV, temperature), _log_softmax(student_logits_BTV, temperature)
+    )[1]
+
+
+def topk_per_position(
+    student_logits_BTV: Array, rollout_logits_BTV: Array, *, top_k: int, temperature: float = 1.0
+) -> dict[str, Array]:
+    """Per-position [B, T] metrics on the top-k support K of mu (the rollout distribution).
+
+    mass_rollout = Σ_{v∈K} mu(v), mass_student = Σ_{v∈K} pi(v); mu_K, pi_K are mu, pi renormalised on K;
+    kl = KL(mu_K‖pi_K), tv = ½ Σ_{v∈K} |mu_K - pi_K|. Keys: ``kl``, ``tv``, ``mass_rollout``, ``mass_student``.
+    """
+    _check_logits(student_logits_BTV, rollout_logits_BTV)
+    V = np.shape(rollout_logits_BTV)[-1]
+    if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or not 1 <= top_k <= V:
+        raise ValueError(f"top_k must be an int in [1, V={V}], got {top_k!r}")
+    logmu = _log_softmax(rollout_logits_BTV, temperature)
+    logpi = _log_softmax(student_logits_BTV, temperature)
+    logmu_K, idx_K = jax.lax.top_k(logmu, int(top_k))
+    logpi_K = jnp.take_along_axis(logpi, idx_K, axis=-1)
+    lse_mu = jax.nn.logsumexp(logmu_K, axis=-1, keepdims=True)
+    lse_pi = jax.nn.logsumexp(logpi_K, axis=-1, keepdims=True)
+    kl, tv = _kl_tv_from_logp(logmu_K - lse_mu, logpi_K - lse_pi)
+    return {"kl": kl, "tv": tv, "mass_rollout": jnp.exp(lse_mu[..., 0]), "mass_student": jnp.exp(lse_pi[..., 0])}
+
+
+def full_distribution_metrics(
+    student_logits_BTV: Array,
+    rollout_logits_BTV: Array,
+    mask_BT: Array,
+    *,
+    top_k: int | None = None,
+    temperature: float = 1.0,
+) -> Metrics:
+    """Exact mismatch between full next-token distributions, masked-averaged over positions.
+
+    mu = softmax(rollout_logits / temperature), pi = softmax(student_logits / temperature), per position.
+    Keys: ``kl_full`` = mean KL(mu‖pi), ``kl_full_max`` = max KL, ``tv_full`` = mean ½Σ|mu - pi|; with ``top_k``
+    also ``kl_topk``, ``tv_topk``, ``topk_mass_rollout``, ``topk_mass_student`` (see :func:`topk_per_position`).
+    Masked means divide by max(Σ mask, 1): all 0 for an all-masked or empty batch.
+    """
+    _check_logits(student_logits_BTV, rollout_logits_BTV, mask_BT)
+    mask = jnp.asarray(mask_BT)
+    m = mask if mask.dtype == jnp.bool_ else mask != 0
+    logmu = _log_softmax(rollout_logits_BTV, temperature)
+    logpi = _log_softmax(student_logits_BTV, temperature)
+    kl, tv = _kl_tv_from_logp(logmu, logpi)
+    out = {"kl_full": masked_mean(kl, m), "kl_full_max": masked_max(kl, m), "tv_full": masked_mean(tv, m)}
+    if top_k is not None:
+        tk = topk_per_position(student_logits_BTV, rollout_logits_BTV, top_k=top_k, temperature=temperature)
+        out |= {
+            "kl_topk": masked_mean(tk["kl"], m),
+            "tv_topk": masked_mean(tk["tv"], m),
+            "topk_mass_rollout": masked_mean(tk["mass_rollout"], m),
+            "topk_mass_student": masked_mean(tk["mass_student"], m),
+        }
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Corrections
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _normalize_weights(w_BT: Array, valid_BT: Array) -> Array:
+    """w / masked_mean(w); unchanged when that mean is 0."""
+    mean = masked_mean(w_BT, valid_BT)
+    return jnp.where(mean > 0, w_BT / jnp.where(mean > 0, mean, 1), w_BT)
+
+
+def is_weights(
+    student_logp_BT: Array,
+    rollout_logp_BT: Array,
+    mask_BT: Array,
+    *,
+    level: str = "token",
+    cap: float = 2.0,
+    normalize: bool = False,
+) -> tuple[Array, Metrics]:
+    """Truncated importance-sampling weights (TIS), stop-gradient.
+
+    level="token":    w_t = min(rho_t, C) = min(exp(r_t), C).
+    level="sequence": w_t = min(exp(clip(S_b, ±20)), C) for every token of sequence b (S_b = Σ_t r_t).
+    normalize=True divides by the masked mean of w (so mean w = 1 over unmasked tokens).
+    Weights are 0 on masked-out (and non-finite) tokens.
+
+    Returns ``(w_BT, metrics)`` with ``is_frac_capped`` (fraction of unmasked tokens whose untruncated weight
+    exceeded C), ``is_ess`` ((Σw)²/(nΣw²) of the returned weights), ``is_weight_mean``, ``is_weight_max``.
+    """
+    if level not in ("token", "sequence"):
+        raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+    if isinstance(cap, (int, float)) and not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    _, _, valid, r, _ = _prepare(student_logp_BT, rollout_logp_BT, mask_BT)
+    log_cap = jnp.log(jnp.asarray(cap, r.dtype))
+    if level == "token":
+        logw = r
+    else:
+        logw = jnp.broadcast_to(jnp.clip(jnp.sum(r, axis=1, keepdims=True), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), r.shape)
+    capped = logw > log_cap
+    w = jnp.where(valid, jnp.exp(jnp.minimum(logw, log_cap)), 0)
+    if normalize:
+        w = _normalize_weights(w, valid)
+    w = jax.lax.stop_gradient(w)
+    diag = {
+        "is_frac_capped": masked_mean(capped.astype(r.dtype), valid),
+        "is_ess": _ess(w, valid),
+        "is_weight_mean": masked_mean(w, valid),
+        "is_weight_max": masked_max(w, valid),
+    }
+    return w, diag
+
+
+def _validate_rejection_args(mode, low, high, threshold) -> None:
+    if mode not in REJECTION_MODES:
+        raise ValueError(f"unknown rejection mode {mode!r}; valid modes: {', '.join(REJECTION_MODES)}")
+    if mode in ("token", "sequence", "geometric"):
+        if low is None or high is None:
+            raise ValueError(f"rejection mode {mode!r} needs both low and high (got low={low}, high={high})")
+        if threshold is not None:
+            raise ValueError(f"rejection mode {mode!r} takes low/high, not threshold (got threshold={threshold})")
+        if not (0 <= low < high):
+            raise ValueError(f"rejection mode {mode!r} needs 0 <= low < high, got low={low}, high={high}")
+    else:
+        if threshold is None:
+            raise ValueError(f"rejection mode {mode!r} needs threshold")
+        if low is not None or high is not None:
+            raise ValueError(f"rejection mode {mode!r} takes threshold, not low/high (got low={low}, high={high})")
+        if not threshold >= 0:
+            raise ValueError(f"rejection mode {mode!r} needs threshold >= 0, got {threshold}")
+
+
+def rejection_mask(
+    student_logp_BT: Array,
+    rollout_logp_BT: Array,
+    mask_BT: Array,
+    *,
+    mode: str,
+    low: float | None = None,
+    high: float | None = None,
+    threshold: float | None = None,
+) -> tuple[Array, Metrics]:
+    """Masked importance sampling / rejection: a float 0/1 keep mask, stop-gradient, 0 on masked positions.
+
+    Modes (r_t = clip(log rho_t, ±20), S_b = Σ_t r_t over the sequence's unmasked tokens, n_b their count):
+      token      keep token t      iff low ≤ rho_t ≤ high                (MIS / IcePop, token level)
+      sequence   keep sequence b   iff low ≤ Π_t rho_t ≤ high, i.e. log low ≤ S_b ≤ log high (unclamped sum)
+      geometric  keep sequence b   iff low ≤ exp(S_b / n_b) ≤ high
+      k1         keep sequence b   iff |mean_t(-r_t)| ≤ threshold
+      k2         keep sequence b   iff mean_t(r_t²/2) ≤ threshold
+      k3         keep sequence b   iff mean_t(exp(r_t) - r_t - 1) ≤ threshold
+    ``low``/``high`` are for token/sequence/geometric (0 ≤ low < high), ``threshold`` (≥ 0) for k1/k2/k3;
+    anything else raises ``ValueError``.
+
+    Metrics: ``reject_frac_tokens`` (fraction of unmasked tokens dropped), ``reject_frac_seqs`` (fraction of
+    sequences with ≥ 1 unmasked token that keep none), ``reject_ess`` ((Σ rho)²/(n Σ rho²) over kept tokens).
+    """
+    _validate_rejection_args(mode, low, high, threshold)
+    _, _, valid, r, _ = _prepare(student_logp_BT, rollout_logp_BT, mask_BT)
+    dt = r.dtype
+    vf = valid.astype(dt)
+    if mode in ("token", "sequence", "geometric"):
+        log_lo = jnp.log(jnp.asarray(low, dt))  # -inf for low = 0: always passes
+        log_hi = jnp.log(jnp.asarray(high, dt))
+    if mode == "token":
+        keep = (r >= log_lo) & (r <= log_hi)
+    else:
+        n_B = jnp.maximum(jnp.sum(vf, axis=1), 1)
+        if mode == "sequence":
+            stat_B = jnp.sum(r * vf, axis=1)
+            keep_B = (stat_B >= log_lo) & (stat_B <= log_hi)
+        elif mode == "geometric":
+            stat_B = jnp.sum(r * vf, axis=1) / n_B
+            keep_B = (stat_B >= log_lo) & (stat_B <= log_hi)
+        else:
+            terms = {"k1": -r, "k2": 0.5 * r * r, "k3": _k3_terms(r)}[mode]
+            stat_B = jnp.sum(terms * vf, axis=1) / n_B
+            if mode == "k1":
+                stat_B = jnp.abs(stat_B)
+            keep_B = stat_B <= threshold
+        keep = jnp.broadcast_to(keep_B[:, None], r.shape)
+    keep = keep & valid
+    keep_f = jax.lax.stop_gradient(keep.astype(dt))
+    seq_ok_B = jnp.any(valid, axis=1)
+    diag = {
+        "reject_frac_tokens": masked_mean(1 - keep_f, valid),
+        "reject_frac_seqs": masked_mean((~jnp.any(keep, axis=1)).astype(dt), seq_ok_B),
+        "reject_ess": _ess(jnp.exp(r), keep),
+    }
+    return keep_f, diag
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Correction registry
+# ----------------------------------------------------------------------------------------------------------------
+
+CorrectionFn = Callable[["Correction", Array, Array, Array], tuple[Array, Metrics]]
+CORRECTIONS: dict[str, CorrectionFn] = {}
+"""name -> fn(corr, student_logp_BT, rollout_logp_BT, mask_BT) -> (w_BT, metrics without prefix)."""
+
+
+def register_correction(name: str) -> Callable[[CorrectionFn], CorrectionFn]:
+    """Decorator adding a correction to :data:`CORRECTIONS` under ``name``; a duplicate name raises ValueError."""
+
+    def deco(fn: CorrectionFn) -> CorrectionFn:
+        if name in CORRECTIONS:
+            raise ValueError(f"correction {name!r} is already registered")
+        CORRECTIONS[name] = fn
+        return fn
+
+    return deco
+
+
+def _unknown_correction(name) -> ValueError:
+    return ValueError(f"unknown correction {name!r}; valid names: {', '.join(sorted(CORRECTIONS))}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Correction:
+    """Which correction to apply to the per-token loss, and its parameters (hashable: usable as a jit static).
+
+    ``cap`` is C for token_tis / seq_tis; ``low``/``high`` bound the ratio for token_mis / seq_mis / geo_reject;
+    ``threshold`` bounds the per-sequence k-estimate for k1_reject / k2_reject / k3_reject; ``normalize``
+    divides the weights by their masked mean (any correction).
+    """
+
+    name: str = "none"
+    cap: float = 2.0
+    low: float = 0.5
+    high: float = 2.0
+    threshold: float = 0.1
+    normalize: bool = False
+
+    def __post_init__(self):
+        if self.name not in CORRECTIONS:
+            raise _unknown_correction(self.name)
+        if not self.cap > 0:
+            raise ValueError(f"Correction.cap must be > 0, got {self.cap}")
+        if not 0 <= self.low < self.high:
+            raise ValueError(f"Correction needs 0 <= low < high, got low={self.low}, high={self.high}")
+        if not self.threshold >= 0:
+            raise ValueError(f"Correction.threshold must be >= 0, got {self.threshold}")
+
+
+@register_correction("none")
+def _corr_none(corr, student_logp_BT, rollout_logp_BT, mask_BT):
+    check_inputs(student_logp_BT, rollout_logp_BT, mask_BT)
+    dt = _float_dtype(student_logp_BT, rollout_logp_BT)
+    return jnp.asarray(mask_BT).astype(dt), {}
+
+
+@register_correction("token_tis")
+def _corr_token_tis(corr, s, r, m):
+    return is_weights(s, r, m, level="token", cap=corr.cap)
+
+
+@register_correction("seq_tis")
+def _corr_seq_tis(corr, s, r, m):
+    return is_weights(s, r, m, level="sequence", cap=corr.cap)
+
+
+def _rejection_correction(mode: str, uses_bounds: bool) -> CorrectionFn:
+    def fn(corr, s, r, m):
+        if uses_bounds:
+            return rejection_mask(s, r, m, mode=mode, low=corr.low, high=corr.high)
+        return rejection_mask(s, r, m, mode=mode, threshold=corr.threshold)
+
+    fn.__name__ = f"_corr_{mode}_rejection"
+    return fn
+
+
+for _name, _mode, _bounds in (
+    ("token_mis", "token", True),
+    ("seq_mis", "sequence", True),
+    ("geo_reject", "geometric", True),
+    ("k1_reject", "k1", False),
+    ("k2_reject", "k2", False),
+    ("k3_reject", "k3", False),
+):
+    register_correction(_name)(_rejection_correction(_mode, _bounds))
+del _name, _mode, _bounds
+
+
+def apply_correction(
+    corr: Correction | None, student_logp_BT: Array, rollout_logp_BT: Array, mask_BT: Array
+) -> tuple[Array, Metrics]:
+    """Weights ``w_BT`` (stop-gradient, 0 on masked positions) that multiply the per-token loss, plus metrics
+    with keys prefixed ``corr/``. ``None`` means ``Correction("none")``: w = mask (no metrics).
+
+    With ``corr.normalize`` the weights are divided by their masked mean after the correction ran; the
+    correction's own diagnostics describe the weights before that normalisation.
+    """
+    corr = Correction() if corr is None else corr
+    fn = CORRECTIONS.get(corr.name)
+    if fn is None:
+        raise _unknown_correction(corr.name)
+    w, diag = fn(corr, student_logp_BT, rollout_logp_BT, mask_BT)
+    if corr.normalize:
+        w = _normalize_weights(w, jnp.asarray(mask_BT).astype(bool))
+    return jax.lax.stop_gradient(w), {f"corr/{k}": v for k, v in diag.items()}

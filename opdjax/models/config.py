@@ -1,0 +1,228 @@
+"""Decoder configuration: one dataclass for the Llama / Qwen2 / Qwen3 family, read from and written to HF config.json.
+
+Both HF config styles are read: top-level `rope_theta` / `rope_scaling` (transformers < 5) and the v5
+`rope_parameters` dict. Configs are written in the v5 style, with `rope_theta` kept at top level too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Any
+
+import numpy as np
+
+# model_type -> (architecture class name, family defaults). Adding a family means adding a row here and a name
+# table in `opdjax.models.hf`.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"architecture": "LlamaForCausalLM", "attention_bias": False, "qk_norm": False},
+    "qwen2": {"architecture": "Qwen2ForCausalLM", "attention_bias": True, "qk_norm": False},
+    "qwen3": {"architecture": "Qwen3ForCausalLM", "attention_bias": False, "qk_norm": True},
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ConfigError(ValueError):
+    """A model config that opdjax cannot represent, naming the field and what was expected."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of one decoder. Frozen and hashable so it can be a static jit argument."""
+
+    model_type: str = "qwen3"
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    head_dim: int = 32
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    # Extra rope parameters as a sorted tuple of (key, value) so the config stays hashable.
+    rope_extra: tuple[tuple[str, float], ...] = ()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.model_type not in FAMILIES:
+            raise ConfigError(f"unsupported model_type {self.model_type!r}; supported: {sorted(FAMILIES)}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ConfigError(f"unsupported rope type {self.rope_type!r}; supported: {list(ROPE_TYPES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def architecture(self) -> str:
+        return FAMILIES[self.model_type]["architecture"]
+
+    @property
+    def rope(self) -> dict[str, float]:
+        return dict(self.rope_extra)
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings included, tied lm_head counted once)."""
+        E, F, H, K, D, V = (self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads,
+                            self.head_dim, self.vocab_size)
+        attn = E * H * D + 2 * E * K * D + H * D * E + (H * D + 2 * K * D if self.attention_bias else 0)
+        attn += 2 * D if self.qk_norm else 0
+        layer = attn + 3 * E * F + 2 * E
+        return V * E * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + E
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A transformers-v5 style config.json dict that transformers and vLLM load."""
+        extra = {k: int(v) if k == "original_max_position_embeddings" else v for k, v in self.rope.items()}
+        rope = {"rope_type": self.rope_type, "rope_theta": self.rope_theta, **extra}
+        d = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "torch_dtype": "float32",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.model_type == "llama":
+            d["mlp_bias"] = False
+        if self.model_type in ("qwen2", "qwen3"):
+            d.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], *, source: str = "config.json") -> "ModelConfig":
+        """Read a HF config dict (either rope style). Unsupported architectures are a ConfigError."""
+        model_type = d.get("model_type")
+        if model_type not in FAMILIES:
+            raise ConfigError(f"{source}: unsupported model_type {model_type!r}; supported: {sorted(FAMILIES)}")
+        archs = d.get("architectures") or [FAMILIES[model_type]["architecture"]]
+        if archs[0] != FAMILIES[model_type]["architecture"]:
+            raise ConfigError(f"{source}: unsupported architectures {archs}; for model_type {model_type!r} "
+                              f"expected [{FAMILIES[model_type]['architecture']!r}]")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"{source}: unsupported hidden_act {d['hidden_act']!r}; expected 'silu'")
+        if d.get("mlp_bias"):
+            raise ConfigError(f"{source}: mlp_bias=true is not supported")
+        if d.get("use_sliding_window"):
+            raise ConfigError(f"{source}: use_sliding_window=true is not supported")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise ConfigError(f"{source}: missing required keys {missing}")
+        rope_type, rope_theta, extra = _read_rope(d, source)
+        heads = int(d["num_attention_heads"])
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            model_type=model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_type=rope_type,
+            rope_extra=extra,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", FAMILIES[model_type]["attention_bias"])),
+            qk_norm=FAMILIES[model_type]["qk_norm"],
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=d.get("pad_token_id"),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | pathlib.Path) -> "ModelConfig":
+        p = pathlib.Path(path) / "config.json"
+        if not p.is_file():
+            raise ConfigError(f"{p}: no config.json (expected a Hugging Face model directory)")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}: not valid JSON ({e})") from e
+        return cls.from_hf_dict(d, source=str(p))
+
+    def save(self, path: str | pathlib.Path) -> None:
+        p = pathlib.Path(path)
+        p.mkdir(parents=True, exist_ok=True)
+        (p / "config.json").write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
+
+
+_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _read_rope(d: dict[str, Any], source: str) -> tuple[str, float, tuple[tuple[str, float], ...]]:
+    """(rope_type, rope_theta, extra) from either `rope_parameters` (v5) or `rope_theta`/`rope_scaling`."""
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type not in _ROPE_KEYS:
+        raise ConfigError(f"{source}: unsupported rope type {rope_type!r}; supported: {list(_ROPE_KEYS)}")
+    missing = [k for k in _ROPE_KEYS[rope_type] if k not in merged]
+    if missing:
+        raise ConfigError(f"{source}: rope type {rope_type!r} needs {missing}")
+    extra = tuple(sorted((k, float(merged[k])) for k in _ROPE_KEYS[rope_type]))
+    return rope_type, float(theta), extra
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim/2] for the config's rope type, in float32 as transformers computes them.
+
+    default: inv_freq_i = theta^(-2i/D).  linear: inv_freq / factor.
+    llama3: long wavelengths (> old_ctx/low_freq_factor) divided by factor, short ones (< old_ctx/high_freq_factor)
+    kept, and a linear blend in between with s = (old_ctx/wavelen - low) / (high - low).
+    """
+    D = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D))
+    r = cfg.rope
+    if cfg.rope_type == "linear":
+        return (inv / np.float32(r["factor"])).astype(np.float32)
+    if cfg.rope_type == "llama3":
+        factor, low, high = r["factor"], r["low_freq_factor"], r["high_freq_factor"]
+        old = r["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return np.where(medium, blended, scaled).astype(np.float32)
+    return inv

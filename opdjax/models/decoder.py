@@ -1,0 +1,248 @@
+"""One decoder-only family in Flax NNX: Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm, explicit head_dim).
+
+GQA, RoPE (default / linear / llama3), RMSNorm, SwiGLU, tied or untied embeddings, f32 or bf16 compute. Every
+param carries `logical_axes` metadata that `opdjax.sharding` maps onto a device mesh. Linear kernels are stored
+[in, out] (HF's `weight` transposed). Each Linear knows its HF module name, which is what quantization recipes
+select on.
+
+One attention path serves the full forward, prefill and decode: queries at cache slots `index + [0, T)` attend to
+every filled cache slot at or before them. Without a cache the forward runs on a fresh cache of length T.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from opdjax.models.config import ModelConfig, rope_inv_freq
+
+Array = jax.Array
+_MASKED = -1e30  # finite, so a query with no visible key gives a uniform (not NaN) softmax
+
+
+class ForwardQuant(Protocol):
+    """Simulated-quantization hooks the forward calls at trace time (see `opdjax.quant`)."""
+
+    def act(self, module: str, x: Array) -> Array: ...
+
+    def kv(self, layer: int, kind: str, x_BTKD: Array) -> Array: ...
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Per-layer keys/values [B, S, K, D], which slots hold real tokens [B, S], and the next write slot."""
+
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
+    valid_BS: Array
+    index: Array  # int32 scalar
+
+    @property
+    def max_len(self) -> int:
+        return int(self.valid_BS.shape[1])
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    """An empty cache for `batch` rows and `max_len` slots."""
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   valid_BS=jnp.zeros((batch, max_len), bool), index=jnp.zeros((), jnp.int32))
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, std=0.02, init=None) -> nnx.Param:
+    value = init(shape, dtype) if init is not None else std * jax.random.normal(rngs.params(), shape, dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel [in, out]."""
+
+    def __init__(self, din: int, dout: int, axes: tuple[str, str], *, name: str, bias: bool, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        self.name = name
+        self.dtype = dtype
+        self.kernel = _param(rngs, (din, dout), axes, param_dtype)
+        self.bias = _param(rngs, (dout,), axes[1:], param_dtype, init=jnp.zeros) if bias else None
+
+    def __call__(self, x: Array, quant: ForwardQuant | None = None) -> Array:
+        if quant is not None:
+            x = quant.act(self.name, x)
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """scale * (x / sqrt(mean(x^2) + eps)), the normalisation computed in f32 and cast back (as HF does)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, param_dtype):
+        self.eps = eps
+        self.dtype = dtype
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(self.dtype) * y.astype(self.dtype)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions_BT: Array) -> tuple[Array, Array]:
+    """cos, sin [B, T, D] for positions, frequencies repeated twice along D (HF's rotate-half layout)."""
+    inv = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
+    freqs = positions_BT.astype(jnp.float32)[..., None] * inv
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x_BTHD: Array, cos_BTD: Array, sin_BTD: Array) -> Array:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1]."""
+    half = x_BTHD.shape[-1] // 2
+    rot = jnp.concatenate([-x_BTHD[..., half:], x_BTHD[..., :half]], axis=-1)
+    c, s = cos_BTD[:, :, None, :].astype(x_BTHD.dtype), sin_BTD[:, :, None, :].astype(x_BTHD.dtype)
+    return x_BTHD * c + rot * s
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pre = f"model.layers.{layer}.self_attn"
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.layer = layer
+        self.cfg = cfg
+        self.dtype = dtype
+        self.q = Linear(E, H * D, ("embed", "heads"), name=f"{pre}.q_proj", bias=cfg.attention_bias, **kw)
+        self.k = Linear(E, K * D, ("embed", "kv_heads"), name=f"{pre}.k_proj", bias=cfg.attention_bias, **kw)
+        self.v = Linear(E, K * D, ("embed", "kv_heads"), name=f"{pre}.v_proj", bias=cfg.attention_bias, **kw)
+        self.o = Linear(H * D, E, ("heads", "embed"), name=f"{pre}.o_proj", bias=False, **kw)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x_BTE, cos, sin, k_cache, v_cache, valid_BS, index, quant):
+        """Attend from T new tokens (written at cache slots index..index+T) to all filled slots up to each query."""
+        cfg = self.cfg
+        B, T, _ = x_BTE.shape
+        H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q = self.q(x_BTE, quant).reshape(B, T, H, D)
+        k = self.k(x_BTE, quant).reshape(B, T, K, D)
+        v = self.v(x_BTE, quant).reshape(B, T, K, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if quant is not None:
+            k, v = quant.kv(self.layer, "k", k), quant.kv(self.layer, "v", v)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, index, 0, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, index, 0, 0))
+        S = k_cache.shape[1]
+        q_slot_T = index + jnp.arange(T)
+        visible_BTS = (jnp.arange(S)[None, None, :] <= q_slot_T[None, :, None]) & valid_BS[:, None, :]
+        qg = q.reshape(B, T, K, H // K, D)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache.astype(self.dtype)).astype(jnp.float32) * D**-0.5
+        scores = jnp.where(visible_BTS[:, None, None, :, :], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache.astype(self.dtype)).reshape(B, T, H * D)
+        return self.o(out, quant), k_cache, v_cache
+
+
+class MLP(nnx.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        E, F = cfg.hidden_size, cfg.intermediate_size
+        pre = f"model.layers.{layer}.mlp"
+        kw = dict(bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate = Linear(E, F, ("embed", "mlp"), name=f"{pre}.gate_proj", **kw)
+        self.up = Linear(E, F, ("embed", "mlp"), name=f"{pre}.up_proj", **kw)
+        self.down = Linear(F, E, ("mlp", "embed"), name=f"{pre}.down_proj", **kw)
+
+    def __call__(self, x, quant):
+        return self.down(jax.nn.silu(self.gate(x, quant)) * self.up(x, quant), quant)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.attn = Attention(cfg, layer, rngs=rngs, **kw)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.mlp = MLP(cfg, layer, rngs=rngs, **kw)
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, valid_BS, index, quant):
+        h, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, valid_BS, index, quant)
+        x = x + h
+        x = x + self.mlp(self.mlp_norm(x), quant)
+        return x, k_cache, v_cache
+
+
+class Decoder(nnx.Module):
+    """Token ids [B, T] -> logits [B, T, V] (f32), optionally through a KV cache."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
+        self.layers = nnx.List([Block(cfg, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), name="lm_head", bias=False,
+                                  dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, tokens_BT: Array, *, positions_BT: Array | None = None, valid_BT: Array | None = None,
+                 cache: KVCache | None = None, quant: ForwardQuant | None = None) -> tuple[Array, KVCache | None]:
+        """Logits [B, T, V] in f32 and the updated cache (None when called without one).
+
+        valid_BT marks real tokens (False = padding; padded keys are never attended to). positions default to
+        the number of real tokens before each one (counting those already in the cache), so left padding works.
+        """
+        cfg = self.cfg
+        B, T = tokens_BT.shape
+        valid_BT = jnp.ones((B, T), bool) if valid_BT is None else valid_BT.astype(bool)
+        use_cache = cache is not None
+        if not use_cache:
+            cache = init_cache(cfg, B, T, self.dtype)
+        index = cache.index
+        if positions_BT is None:
+            seen_B = jnp.sum(cache.valid_BS, axis=1)
+            positions_BT = jnp.maximum(seen_B[:, None] + jnp.cumsum(valid_BT, axis=1) - 1, 0)
+        valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, valid_BT, (0, index))
+        cos, sin = rope_cos_sin(cfg, positions_BT)
+        x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
+        ks, vs = [], []
+        for i, block in enumerate(self.layers):
+            x, k_i, v_i = block(x, cos, sin, cache.k[i], cache.v[i], valid_BS, index, quant)
+            ks.append(k_i)
+            vs.append(v_i)
+        x = self.norm(x)
+        if self.lm_head is None:
+            logits = jnp.dot(x, self.embed[...].astype(self.dtype).T)
+        else:
+            logits = self.lm_head(x)
+        new_cache = KVCache(k=tuple(ks), v=tuple(vs), valid_BS=valid_BS, index=index + T) if use_cache else None
+        return logits.astype(jnp.float32), new_cache
+
+
+def create(cfg: ModelConfig, seed: int = 0, *, dtype=jnp.float32, param_dtype=jnp.float32) -> Decoder:
+    """A randomly initialised decoder (normal(0, 0.02) kernels, unit norms, zero biases)."""
+    return Decoder(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(params=seed))
+
+
+def abstract(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32) -> Decoder:
+    """The decoder's structure with ShapeDtypeStruct leaves: no memory, no compute (for loading)."""
+    return nnx.eval_shape(lambda: create(cfg, dtype=dtype, param_dtype=param_dtype))
+
+
+def forward(graphdef: nnx.GraphDef, params: Any, tokens_BT: Array, **kwargs) -> tuple[Array, KVCache | None]:
+    """Functional entry point usable inside jax.jit: merge (graphdef, params) and run the decoder."""
+    return nnx.merge(graphdef, params)(tokens_BT, **kwargs)

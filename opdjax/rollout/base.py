@@ -1,0 +1,88 @@
+"""The rollout engine protocol and the batch every engine returns.
+
+A batch holds whole sequences (prompt + completion) on one padded time axis L. Position l of
+`rollout_logp_BL` is the engine's log-probability of `tokens_BL[:, l]` (after temperature and top-k/top-p
+renormalisation, as vLLM's `processed_logprobs`), set only where `completion_mask_BL` is true.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Protocol, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How an engine samples. `top_k=0` and `top_p=1.0` mean no truncation."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (greedy is not supported for OPD), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """Sequences sampled by an engine, padded to a common length L.
+
+    tokens_BL           int32   prompt + completion token ids (pad id where invalid)
+    valid_BL            bool    real tokens (prompt or completion)
+    completion_mask_BL  bool    sampled completion tokens (including a sampled stop token)
+    rollout_logp_BL     float32 engine log-prob of tokens_BL[b, l] where completion_mask_BL, else 0
+    version_B           int64   weight version each row was sampled with
+    prompt_index_B      int64   index of each row's prompt in the request (graders use it)
+    meta                dict    engine name, sampling params, anything a grader or logger wants
+    """
+
+    tokens_BL: np.ndarray
+    valid_BL: np.ndarray
+    completion_mask_BL: np.ndarray
+    rollout_logp_BL: np.ndarray
+    version_B: np.ndarray
+    prompt_index_B: np.ndarray
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        B, L = np.shape(self.tokens_BL)
+        for name in ("valid_BL", "completion_mask_BL", "rollout_logp_BL"):
+            if np.shape(getattr(self, name)) != (B, L):
+                raise ValueError(f"RolloutBatch.{name} has shape {np.shape(getattr(self, name))}, expected {(B, L)}")
+        for name in ("version_B", "prompt_index_B"):
+            if np.shape(getattr(self, name)) != (B,):
+                raise ValueError(f"RolloutBatch.{name} has shape {np.shape(getattr(self, name))}, expected {(B,)}")
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens_BL.shape[0])
+
+    def completions(self) -> list[list[int]]:
+        """Completion token ids of each row, in order."""
+        return [row[m].tolist() for row, m in zip(self.tokens_BL, self.completion_mask_BL)]
+
+
+class RolloutEngine(Protocol):
+    """What the pipeline needs from a sampler: generate, take new weights, score given tokens."""
+
+    version: int
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> RolloutBatch:
+        """Sample one completion per prompt."""
+
+    def update_weights(self, named_arrays: Mapping[str, Any], version: int) -> None:
+        """Atomically replace the served weights (HF names -> arrays); on any error keep the old ones."""
+
+    def score(self, tokens_BL: np.ndarray, valid_BL: np.ndarray, *, temperature: float = 1.0, top_k: int = 0):
+        """Log-prob of each given token under the served weights (and top-k ids/log-probs when top_k > 0)."""

@@ -1,0 +1,385 @@
+"""Built-in synthetic tasks and JSONL prompt datasets, with their graders.
+
+Tasks work on *text*. The caller tokenises (a local byte-level BPE tokenizer; nothing here assumes its
+vocabulary) and owns the end-of-answer convention:
+
+- **Training text** is ``prompt + answer`` followed by the tokenizer's EOS token, which the caller appends
+  (``corpus`` returns the strings without EOS).
+- **Grading**: the caller samples a completion after the prompt, cuts it at the first EOS, decodes it without
+  special tokens and passes the text to ``task.grade(example, completion_text)``. The grader strips surrounding
+  whitespace and returns 1.0 on an exact match with ``example.answer``, else 0.0. ``cut_at`` helps callers
+  whose decoded text still contains an end marker.
+
+Built-in tasks (prompt → answer):
+
+=========  =============================  ==========================================
+name       example                        options
+=========  =============================  ==========================================
+addition   ``"12+34="`` → ``"46"``         ``digits=2`` (operands in [0, 10**digits))
+sort       ``"sort 3 1 2:"`` → ``"1 2 3"``  ``length=4`` (digits to sort)
+copy       ``"copy 1234:"`` → ``"1234"``    ``length=4``
+reverse    ``"reverse 1234:"`` → ``"4321"``  ``length=4``
+jsonl      from a file                    ``path``, ``prompt_key``, ``answer_key``
+=========  =============================  ==========================================
+
+Every built-in example set is a pure function of ``(options, n, seed, split)``. Train and held-out splits are
+disjoint by construction: an item is held out iff a SHA-256 hash of its *content key* (for addition the unordered
+operand pair, so ``34+12`` cannot leak a held-out ``12+34``) falls in the lowest 10% of the hash range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any, Callable, ClassVar, Iterable, Protocol, runtime_checkable
+
+import numpy as np
+
+SPLITS = ("train", "heldout")
+HELDOUT_FRACTION = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One prompt. ``answer`` is None when the dataset carries no reference answer (ungraded)."""
+
+    prompt: str
+    answer: str | None
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What the pipeline needs from a task."""
+
+    name: str
+
+    def examples(self, n: int, seed: int, split: str = "train") -> list[Example]:
+        """``n`` examples of ``split`` ("train" or "heldout"), a pure function of the arguments."""
+
+    def grade(self, example: Example, completion_text: str) -> float | None:
+        """1.0 if ``completion_text.strip() == example.answer`` else 0.0 (None: the example has no answer)."""
+
+
+# ----------------------------------------------------------------------------------------------------- registry
+
+TASKS: dict[str, Callable[..., Task]] = {}
+
+
+def register_task(name: str):
+    """Class decorator: ``get_task(name, **options)`` builds ``cls(**options)``."""
+
+    def deco(cls):
+        if name in TASKS:
+            raise ValueError(f"task {name!r} is already registered")
+        TASKS[name] = cls
+        return cls
+
+    return deco
+
+
+def get_task(name: str, **options) -> Task:
+    """Build a registered task; unknown names or options raise ValueError listing what is valid."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(sorted(TASKS))}")
+    cls = TASKS[name]
+    if dataclasses.is_dataclass(cls):
+        valid = [f.name for f in dataclasses.fields(cls) if f.init]
+        bad = sorted(set(options) - set(valid))
+        if bad:
+            raise ValueError(f"task {name!r} has no option(s) {bad}; valid options: {valid}")
+    return cls(**options)
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+
+
+def _stable_hash(text: str) -> int:
+    """64-bit hash of ``text`` that is the same in every process and Python version (unlike ``hash``)."""
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big")
+
+
+def split_of(key: str, heldout_fraction: float = HELDOUT_FRACTION) -> str:
+    """"heldout" iff hash(key) / 2**64 < heldout_fraction, else "train"."""
+    return "heldout" if _stable_hash(key) < heldout_fraction * 2.0**64 else "train"
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+def _check_n(n: int) -> None:
+    if not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+
+
+def cut_at(text: str, markers: Iterable[str]) -> str:
+    """``text`` up to (excluding) the earliest occurrence of any marker (e.g. the EOS token's text)."""
+    cut = len(text)
+    for m in markers:
+        if m:
+            i = text.find(m)
+            if i != -1:
+                cut = min(cut, i)
+    return text[:cut]
+
+
+def exact_match(answer: str | None, completion_text: str) -> float | None:
+    """1.0 if ``completion_text.strip() == answer.strip()`` else 0.0; None when there is no answer."""
+    if answer is None:
+        return None
+    return 1.0 if completion_text.strip() == answer.strip() else 0.0
+
+
+class _SyntheticTask:
+    """Shared sampling for the built-in tasks: subclasses define ``_draw(rng) -> (key, Example)``."""
+
+    name: ClassVar[str]
+    max_tries_per_example: ClassVar[int] = 200
+
+    def _draw(self, rng: np.random.Generator) -> tuple[str, Example]:
+        raise NotImplementedError
+
+    def _seed_entropy(self) -> list[int]:
+        return [_stable_hash(f"{self.name}:{dataclasses.astuple(self)}") & 0xFFFFFFFF]  # type: ignore[arg-type]
+
+    def examples(self, n: int, seed: int, split: str = "train") -> list[Example]:
+        """``n`` examples of ``split``, deterministic in ``(options, n, seed, split)``.
+
+        Items are drawn uniformly and kept when their content key hashes into ``split``; distinct items are
+        preferred, and repeats are allowed only once the split has (nearly) run out of new items.
+        """
+        _check_n(n)
+        _check_split(split)
+        rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, SPLITS.index(split), *self._seed_entropy()])
+        out: list[Example] = []
+        seen: set[str] = set()
+        tries = 0
+        budget = self.max_tries_per_example * max(n, 1)
+        while len(out) < n:
+            key, ex = self._draw(rng)
+            tries += 1
+            if tries > 2 * budget and not out:
+                raise ValueError(f"task {self.name!r} {dataclasses.asdict(self)}: split {split!r} looks empty")
+            if split_of(key) != split:
+                continue
+            if key in seen and tries <= budget:
+                continue
+            seen.add(key)
+            out.append(dataclasses.replace(ex, meta={**ex.meta, "split": split}))
+        return out
+
+    def grade(self, example: Example, completion_text: str) -> float:
+        """Exact match of the stripped completion with the answer: 1.0 or 0.0."""
+        score = exact_match(example.answer, completion_text)
+        return 0.0 if score is None else score
+
+
+def _positive_int(task: str, option: str, value: Any) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"task {task!r}: option {option!r} must be a positive int, got {value!r}")
+
+
+# ----------------------------------------------------------------------------------------------------- built-ins
+
+
+@register_task("addition")
+@dataclasses.dataclass(frozen=True)
+class AdditionTask(_SyntheticTask):
+    """``"a+b="`` → ``str(a + b)`` with a, b uniform in [0, 10**digits)."""
+
+    digits: int = 2
+    name: ClassVar[str] = "addition"
+
+    def __post_init__(self):
+        _positive_int(self.name, "digits", self.digits)
+
+    @property
+    def max_answer_chars(self) -> int:
+        return self.digits + 1
+
+    def _draw(self, rng):
+        hi = 10**self.digits
+        a, b = (int(x) for x in rng.integers(0, hi, size=2))
+        key = f"{min(a, b)}+{max(a, b)}"  # unordered pair: a+b and b+a share a split
+        return key, Example(prompt=f"{a}+{b}=", answer=str(a + b), meta={"a": a, "b": b})
+
+
+@register_task("sort")
+@dataclasses.dataclass(frozen=True)
+class SortTask(_SyntheticTask):
+    """``"sort d1 d2 ...:"`` → the ``length`` digits in ascending order, space-separated."""
+
+    length: int = 4
+    name: ClassVar[str] = "sort"
+
+    def __post_init__(self):
+        _positive_int(self.name, "length", self.length)
+
+    @property
+    def max_answer_chars(self) -> int:
+        return 2 * self.length - 1
+
+    def _draw(self, rng):
+        ds = [int(x) for x in rng.integers(0, 10, size=self.length)]
+        key = " ".join(map(str, ds))
+        return key, Example(prompt=f"sort {key}:", answer=" ".join(map(str, sorted(ds))), meta={"digits": ds})
+
+
+@register_task("copy")
+@dataclasses.dataclass(frozen=True)
+class CopyTask(_SyntheticTask):
+    """``"copy s:"`` → ``s`` for a string s of ``length`` digits."""
+
+    length: int = 4
+    name: ClassVar[str] = "copy"
+
+    def __post_init__(self):
+        _positive_int(self.name, "length", self.length)
+
+    @property
+    def max_answer_chars(self) -> int:
+        return self.length
+
+    def _draw(self, rng):
+        s = "".join(str(int(x)) for x in rng.integers(0, 10, size=self.length))
+        return s, Example(prompt=f"copy {s}:", answer=s, meta={"digits": s})
+
+
+@register_task("reverse")
+@dataclasses.dataclass(frozen=True)
+class ReverseTask(_SyntheticTask):
+    """``"reverse s:"`` → ``s[::-1]`` for a string s of ``length`` digits."""
+
+    length: int = 4
+    name: ClassVar[str] = "reverse"
+
+    def __post_init__(self):
+        _positive_int(self.name, "length", self.length)
+
+    @property
+    def max_answer_chars(self) -> int:
+        return self.length
+
+    def _draw(self, rng):
+        s = "".join(str(int(x)) for x in rng.integers(0, 10, size=self.length))
+        return s, Example(prompt=f"reverse {s}:", answer=s[::-1], meta={"digits": s})
+
+
+# ----------------------------------------------------------------------------------------------------- JSONL
+
+
+@register_task("jsonl")
+@dataclasses.dataclass(frozen=True)
+class JsonlTask:
+    """Prompts (and optional reference answers) from a JSONL file, one JSON object per line.
+
+    - ``prompt_key`` (default "prompt") must hold a string on every non-blank line.
+    - ``answer_key`` (default "answer") is optional per line; a non-string answer (e.g. ``46``) is used as
+      ``str(answer)``. ``grade`` is exact match (stripped) where an answer exists and **None** where it does not:
+      such examples are ungraded, and callers average only the non-None scores.
+    - Split: a line with a ``"split"`` field ("train" or "heldout") goes there; any other line is held out iff
+      the hash of its prompt falls in the lowest 10% (see ``split_of``).
+    - ``examples(n, seed, split)`` shuffles that split's rows with ``seed`` and takes ``n``; if ``n`` exceeds the
+      split, further freshly shuffled passes over it follow (rows repeat, none is dropped).
+
+    Errors (ValueError/FileNotFoundError) name the file and the 1-based line number.
+    """
+
+    path: str
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    name: ClassVar[str] = "jsonl"
+
+    def __post_init__(self):
+        object.__setattr__(self, "_rows", _load_jsonl(os.fspath(self.path), self.prompt_key, self.answer_key))
+
+    @property
+    def rows(self) -> tuple[Example, ...]:
+        return self._rows  # type: ignore[attr-defined]
+
+    @property
+    def graded(self) -> bool:
+        """True when every row has a reference answer."""
+        return all(ex.answer is not None for ex in self.rows)
+
+    @property
+    def max_answer_chars(self) -> int | None:
+        answers = [len(ex.answer) for ex in self.rows if ex.answer is not None]
+        return max(answers) if answers else None
+
+    def split_rows(self, split: str) -> list[Example]:
+        _check_split(split)
+        return [ex for ex in self.rows if ex.meta["split"] == split]
+
+    def examples(self, n: int, seed: int, split: str = "train") -> list[Example]:
+        _check_n(n)
+        pool = self.split_rows(split)
+        if n == 0:
+            return []
+        if not pool:
+            raise ValueError(f"{self.path}: split {split!r} has no rows (of {len(self.rows)})")
+        rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, SPLITS.index(split)])
+        out: list[Example] = []
+        while len(out) < n:
+            out.extend(pool[i] for i in rng.permutation(len(pool)))
+        return out[:n]
+
+    def grade(self, example: Example, completion_text: str) -> float | None:
+        """Exact match (stripped) → 1.0/0.0; None when the example has no reference answer."""
+        return exact_match(example.answer, completion_text)
+
+
+def _load_jsonl(path: str, prompt_key: str, answer_key: str) -> tuple[Example, ...]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"JSONL task file not found: {path}")
+    rows: list[Example] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            if prompt_key not in obj:
+                raise ValueError(f"{path}:{lineno}: missing prompt key {prompt_key!r}; keys present: {sorted(obj)}")
+            prompt = obj[prompt_key]
+            if not isinstance(prompt, str):
+                raise ValueError(f"{path}:{lineno}: {prompt_key!r} must be a string, got {type(prompt).__name__}")
+            answer = obj.get(answer_key)
+            if answer is not None and not isinstance(answer, str):
+                if isinstance(answer, (dict, list)):
+                    raise ValueError(f"{path}:{lineno}: {answer_key!r} must be a string or number, got {answer!r}")
+                answer = str(answer)
+            if "split" in obj:
+                split = obj["split"]
+                if split not in SPLITS:
+                    raise ValueError(f"{path}:{lineno}: 'split' must be one of {SPLITS}, got {split!r}")
+            else:
+                split = split_of(prompt)
+            meta = {k: v for k, v in obj.items() if k not in (prompt_key, answer_key)}
+            meta.update(split=split, line=lineno)
+            rows.append(Example(prompt=prompt, answer=answer, meta=meta))
+    if not rows:
+        raise ValueError(f"{path}: no rows (file is empty)")
+    return tuple(rows)
+
+
+# ----------------------------------------------------------------------------------------------------- corpus
+
+
+def corpus(task: Task | str, n: int, seed: int, split: str = "train") -> list[str]:
+    """``n`` strings ``prompt + answer`` (no EOS: the caller appends the tokenizer's EOS token).
+
+    For training a tokenizer or a teacher by supervised learning; uses the train split by default so that a
+    teacher trained on it never sees held-out items. Examples without an answer contribute the prompt alone.
+    """
+    if isinstance(task, str):
+        task = get_task(task)
+    return [ex.prompt + (ex.answer or "") for ex in task.examples(n, seed, split)]
