@@ -13,8 +13,8 @@ Every loss has one signature::
 - ``correction``: a :class:`opdjax.mismatch.Correction` (or its name); per-token weights ``w_t`` from
   :func:`opdjax.mismatch.apply_correction` (stop-gradient, ``w = mask`` for None / "none") multiply each
   token's loss. Its metrics (``corr/...``) join the loss metrics.
-- ``loss`` is a scalar: Σ_t w_t·ℓ_t / max(Σ mask, 1) — weighted per-token terms over the *unweighted* token count,
-  so a rejection correction that drops tokens shrinks the loss instead of re-scaling the survivors.
+- ``loss`` is a scalar: Σ_t w_t·ℓ_t / max(Σ mask, 1), weighted per-token terms over the *unweighted* token
+  count, so a rejection correction that drops tokens shrinks the loss instead of re-scaling the survivors.
 
 Needs (what the pipeline must ask the teacher/engine for), from :data:`NEEDS`:
 
@@ -213,7 +213,9 @@ def _validate(name, needs, student_logp_BT, student_logprobs_BTV, batch, correct
     if logits is not None:
         tl = tuple(np.shape(logits))
         if len(tl) != 3 or tl[:2] != (B, T):
-            raise ValueError(f"loss {name!r}: shape mismatch: teacher_logits_BTV has shape {tl}, expected ({B}, {T}, V)")
+            raise ValueError(
+                f"loss {name!r}: shape mismatch: teacher_logits_BTV has shape {tl}, expected ({B}, {T}, V)"
+            )
         if V is not None and tl[2] != V:
             raise ValueError(
                 f"loss {name!r}: vocabulary mismatch: teacher_logits_BTV has V={tl[2]} (shape {tl}) but "
@@ -223,7 +225,9 @@ def _validate(name, needs, student_logp_BT, student_logprobs_BTV, batch, correct
     if ids is not None:
         ik = tuple(np.shape(ids))
         if len(ik) != 3 or ik[:2] != (B, T):
-            raise ValueError(f"loss {name!r}: shape mismatch: teacher_topk_ids_BTK has shape {ik}, expected ({B}, {T}, K)")
+            raise ValueError(
+                f"loss {name!r}: shape mismatch: teacher_topk_ids_BTK has shape {ik}, expected ({B}, {T}, K)"
+            )
         if _get(batch, "teacher_topk_logp_BTK") is not None:
             expect("teacher_topk_logp_BTK", ik)
         if V is not None:

@@ -55,7 +55,7 @@ geometric-mean and k-estimate rejection), and the name registry :data:`CORRECTIO
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 from typing import Callable
 
 import jax
@@ -207,11 +207,10 @@ def _ess(w: Array, mask: Array) -> Array:
 
 
 def _prepare(student_logp_BT, rollout_logp_BT, mask_BT):
-    """Shared front end: validate, upcast, exclude non-finite tokens.
+    """Shared front end (inputs already validated): upcast, exclude non-finite tokens.
 
     Returns ``(student, rollout, valid_BT (bool), r_BT (clamped log-ratio, 0 where invalid), nan_count)``.
     """
-    check_inputs(student_logp_BT, rollout_logp_BT, mask_BT)
     dt = _float_dtype(student_logp_BT, rollout_logp_BT)
     s = jnp.asarray(student_logp_BT, dt)
     r = jnp.asarray(rollout_logp_BT, dt)
@@ -251,6 +250,12 @@ def k3_kl(student_logp_BT: Array, rollout_logp_BT: Array, mask_BT: Array) -> Arr
     r = clamp(student_logp - rollout_logp, ±20);  k3 = Σ mask·(exp(r) - r - 1) / max(Σ mask, 1).
     Non-negative; exactly zero when both log-probs agree on every unmasked token; finite for an all-masked batch.
     """
+    check_inputs(student_logp_BT, rollout_logp_BT, mask_BT)
+    return _k3_core(student_logp_BT, rollout_logp_BT, mask_BT)
+
+
+@jax.jit
+def _k3_core(student_logp_BT, rollout_logp_BT, mask_BT):
     _, _, valid, r, _ = _prepare(student_logp_BT, rollout_logp_BT, mask_BT)
     return masked_mean(_k3_terms(r), valid)
 
@@ -272,6 +277,12 @@ def metrics(
     """
     if isinstance(ratio_threshold, (int, float)) and not ratio_threshold > 1:
         raise ValueError(f"ratio_threshold must be > 1, got {ratio_threshold}")
+    check_inputs(student_logp_BT, rollout_logp_BT, mask_BT)
+    return _metrics_core(student_logp_BT, rollout_logp_BT, mask_BT, ratio_threshold)
+
+
+@jax.jit
+def _metrics_core(student_logp_BT, rollout_logp_BT, mask_BT, ratio_threshold) -> Metrics:
     s, ro, valid, r, nan_count = _prepare(student_logp_BT, rollout_logp_BT, mask_BT)
     dt = r.dtype
     vf = valid.astype(dt)
@@ -340,9 +351,17 @@ def _check_logits(student_logits_BTV, rollout_logits_BTV, mask_BT=None) -> None:
             raise ValueError(f"{name} contains NaN; expected finite logits (-inf allowed for truncated entries)")
 
 
-def _log_softmax(logits_BTV: Array, temperature: float) -> Array:
+def _check_temperature(temperature) -> None:
     if isinstance(temperature, (int, float)) and not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _check_top_k(top_k, V: int) -> None:
+    if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or not 1 <= top_k <= V:
+        raise ValueError(f"top_k must be an int in [1, V={V}], got {top_k!r}")
+
+
+def _log_softmax(logits_BTV: Array, temperature) -> Array:
     dt = _float_dtype(logits_BTV)
     return jax.nn.log_softmax(jnp.asarray(logits_BTV, dt) / temperature, axis=-1)
 
@@ -363,17 +382,20 @@ def kl_per_position(student_logits_BTV: Array, rollout_logits_BTV: Array, *, tem
     """[B, T] exact KL(mu‖pi) = Σ_v mu(v)(log mu(v) - log pi(v)), with mu = softmax(rollout_logits / temperature)
     and pi = softmax(student_logits / temperature). ≥ 0 (up to rounding); 0 where the distributions agree."""
     _check_logits(student_logits_BTV, rollout_logits_BTV)
-    return _kl_tv_from_logp(
-        _log_softmax(rollout_logits_BTV, temperature), _log_softmax(student_logits_BTV, temperature)
-    )[0]
+    _check_temperature(temperature)
+    return _kl_tv_core(student_logits_BTV, rollout_logits_BTV, temperature)[0]
 
 
 def tv_per_position(student_logits_BTV: Array, rollout_logits_BTV: Array, *, temperature: float = 1.0) -> Array:
     """[B, T] total variation ½ Σ_v |mu(v) - pi(v)| ∈ [0, 1] (same mu, pi as :func:`kl_per_position`)."""
     _check_logits(student_logits_BTV, rollout_logits_BTV)
-    return _kl_tv_from_logp(
-        _log_softmax(rollout_logits_BTV, temperature), _log_softmax(student_logits_BTV, temperature)
-    )[1]
+    _check_temperature(temperature)
+    return _kl_tv_core(student_logits_BTV, rollout_logits_BTV, temperature)[1]
+
+
+@jax.jit
+def _kl_tv_core(student_logits_BTV, rollout_logits_BTV, temperature):
+    return _kl_tv_from_logp(_log_softmax(rollout_logits_BTV, temperature), _log_softmax(student_logits_BTV, temperature))
 
 
 def topk_per_position(
@@ -385,9 +407,13 @@ def topk_per_position(
     kl = KL(mu_K‖pi_K), tv = ½ Σ_{v∈K} |mu_K - pi_K|. Keys: ``kl``, ``tv``, ``mass_rollout``, ``mass_student``.
     """
     _check_logits(student_logits_BTV, rollout_logits_BTV)
-    V = np.shape(rollout_logits_BTV)[-1]
-    if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or not 1 <= top_k <= V:
-        raise ValueError(f"top_k must be an int in [1, V={V}], got {top_k!r}")
+    _check_top_k(top_k, np.shape(rollout_logits_BTV)[-1])
+    _check_temperature(temperature)
+    return _topk_core(student_logits_BTV, rollout_logits_BTV, temperature, top_k=int(top_k))
+
+
+@functools.partial(jax.jit, static_argnames=("top_k",))
+def _topk_core(student_logits_BTV, rollout_logits_BTV, temperature, *, top_k: int) -> dict[str, Array]:
     logmu = _log_softmax(rollout_logits_BTV, temperature)
     logpi = _log_softmax(student_logits_BTV, temperature)
     logmu_K, idx_K = jax.lax.top_k(logmu, int(top_k))
@@ -414,6 +440,15 @@ def full_distribution_metrics(
     Masked means divide by max(Σ mask, 1): all 0 for an all-masked or empty batch.
     """
     _check_logits(student_logits_BTV, rollout_logits_BTV, mask_BT)
+    _check_temperature(temperature)
+    if top_k is not None:
+        _check_top_k(top_k, np.shape(rollout_logits_BTV)[-1])
+        top_k = int(top_k)
+    return _full_core(student_logits_BTV, rollout_logits_BTV, mask_BT, temperature, top_k=top_k)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k",))
+def _full_core(student_logits_BTV, rollout_logits_BTV, mask_BT, temperature, *, top_k) -> Metrics:
     mask = jnp.asarray(mask_BT)
     m = mask if mask.dtype == jnp.bool_ else mask != 0
     logmu = _log_softmax(rollout_logits_BTV, temperature)
@@ -421,7 +456,7 @@ def full_distribution_metrics(
     kl, tv = _kl_tv_from_logp(logmu, logpi)
     out = {"kl_full": masked_mean(kl, m), "kl_full_max": masked_max(kl, m), "tv_full": masked_mean(tv, m)}
     if top_k is not None:
-        tk = topk_per_position(student_logits_BTV, rollout_logits_BTV, top_k=top_k, temperature=temperature)
+        tk = _topk_core(student_logits_BTV, rollout_logits_BTV, temperature, top_k=top_k)
         out |= {
             "kl_topk": masked_mean(tk["kl"], m),
             "tv_topk": masked_mean(tk["tv"], m),
@@ -465,6 +500,12 @@ def is_weights(
         raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
     if isinstance(cap, (int, float)) and not cap > 0:
         raise ValueError(f"cap must be > 0, got {cap}")
+    check_inputs(student_logp_BT, rollout_logp_BT, mask_BT)
+    return _is_weights_core(student_logp_BT, rollout_logp_BT, mask_BT, cap, level=level, normalize=bool(normalize))
+
+
+@functools.partial(jax.jit, static_argnames=("level", "normalize"))
+def _is_weights_core(student_logp_BT, rollout_logp_BT, mask_BT, cap, *, level: str, normalize: bool):
     _, _, valid, r, _ = _prepare(student_logp_BT, rollout_logp_BT, mask_BT)
     log_cap = jnp.log(jnp.asarray(cap, r.dtype))
     if level == "token":
@@ -530,6 +571,14 @@ def rejection_mask(
     sequences with ≥ 1 unmasked token that keep none), ``reject_ess`` ((Σ rho)²/(n Σ rho²) over kept tokens).
     """
     _validate_rejection_args(mode, low, high, threshold)
+    check_inputs(student_logp_BT, rollout_logp_BT, mask_BT)
+    bounds = (low, high) if mode in ("token", "sequence", "geometric") else (threshold, threshold)
+    return _rejection_core(student_logp_BT, rollout_logp_BT, mask_BT, *bounds, mode=mode)
+
+
+@functools.partial(jax.jit, static_argnames=("mode",))
+def _rejection_core(student_logp_BT, rollout_logp_BT, mask_BT, low, high, *, mode: str):
+    """``low``/``high`` are the ratio bounds, or both the threshold for the k modes."""
     _, _, valid, r, _ = _prepare(student_logp_BT, rollout_logp_BT, mask_BT)
     dt = r.dtype
     vf = valid.astype(dt)
@@ -551,7 +600,7 @@ def rejection_mask(
             stat_B = jnp.sum(terms * vf, axis=1) / n_B
             if mode == "k1":
                 stat_B = jnp.abs(stat_B)
-            keep_B = stat_B <= threshold
+            keep_B = stat_B <= high
         keep = jnp.broadcast_to(keep_B[:, None], r.shape)
     keep = keep & valid
     keep_f = jax.lax.stop_gradient(keep.astype(dt))

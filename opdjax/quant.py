@@ -12,9 +12,14 @@ Formats (`FORMATS`):
 
 Quantization (one formula for every granularity; `amax` is taken over the granularity's group):
 
-    scale = max(amax(|x|), AMAX_EPS) / fmt_max           (float32; or a given fixed `scale`)
-    q     = cast(clip(x / scale, -fmt_max, fmt_max))      (int8: round before the cast)
+    scale = max(amax(|x|), AMAX_EPS) * (1 / fmt_max)      (float32; or a given fixed `scale`)
+    q     = cast(clip(x * (1 / scale), -fmt_max, fmt_max)) (int8: round before the cast)
     x'    = q * scale                                     (dequantize; computed in float32, cast to x's dtype)
+
+Divisions are written as multiplications by float32 reciprocals on purpose: XLA rewrites `a / c` and
+`a / broadcast(s)` into `a * (1/c)` on some backends and not others, so a literal division would not be bit-stable
+across eager / jit / CPU / GPU. (vLLM's FP8 kernels also multiply by the inverted scale; its scale itself is a true
+`amax / fmt_max`, which can differ from ours by one float32 ulp.)
 
 Granularities and the shape of the returned scale (x has shape S, ndim n):
 
@@ -161,8 +166,8 @@ def _cast(y: Array, f: QFormat) -> Array:
     return y.astype(f.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "granularity", "block", "axis", "channel_axis"))
-def _quantize_jit(x, scale, *, fmt, granularity, block, axis, channel_axis):
+def _quantize_impl(x, scale, fmt, granularity, block, axis, channel_axis):
+    """The one quantizer behind `quantize` and `qdq` (traced inside their jits)."""
     f = FORMATS[fmt]
     x32 = x.astype(jnp.float32)
     if scale is None:
@@ -170,18 +175,53 @@ def _quantize_jit(x, scale, *, fmt, granularity, block, axis, channel_axis):
             amax = _block_amax(x32, block)
         else:
             amax = _amax(x32, granularity, axis, channel_axis)
-        scale = jnp.maximum(amax, AMAX_EPS) / f.max_value
+        scale = jnp.maximum(amax, AMAX_EPS) * np.float32(1.0 / f.max_value)
     scale = jnp.asarray(scale, jnp.float32)
-    full = _expand_block_scale(scale, x.shape, block) if granularity == "block" else scale
-    return _cast(x32 / full, f), scale
+    inv = jnp.float32(1.0) / scale
+    inv_full = _expand_block_scale(inv, x.shape, block) if granularity == "block" else inv
+    return _cast(x32 * inv_full, f), scale
+
+
+def _dequantize_impl(q, scale, dtype, block):
+    """The one dequantizer behind `dequantize` and `qdq`: (f32(q) * scale) -> dtype."""
+    scale = jnp.asarray(scale, jnp.float32)
+    if block is not None:
+        scale = _expand_block_scale(scale, q.shape, block)
+    return (q.astype(jnp.float32) * scale).astype(dtype)
+
+
+_STATIC = ("fmt", "granularity", "block", "axis", "channel_axis")
+_quantize_jit = jax.jit(_quantize_impl, static_argnames=_STATIC)
+_dequantize_jit = jax.jit(_dequantize_impl, static_argnames=("dtype", "block"))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("ste",))
+def _qdq_jit(x, scale, fmt, granularity, block, axis, channel_axis, ste):
+    q, s = _quantize_impl(x, scale, fmt, granularity, block, axis, channel_axis)
+    y = _dequantize_impl(q, s, x.dtype, block if granularity == "block" else None)
+    if ste:
+        y = jax.lax.stop_gradient(y) + (x - jax.lax.stop_gradient(x))
+    return y
+
+
+def _check_args(x: Array, fmt: str, granularity: str, block: Sequence[int], scale: Any):
+    f = _format(fmt)
+    _check_granularity(granularity)
+    block = _check_block(block)
+    if granularity == "block" and x.ndim < 2:
+        raise RecipeError(f"block granularity needs an array of rank >= 2, got shape {x.shape}")
+    if x.ndim == 0 and granularity != "tensor":
+        raise RecipeError(f"granularity {granularity!r} needs an array of rank >= 1, got a scalar")
+    return dict(fmt=f.name, granularity=granularity, block=block), (
+        None if scale is None else jnp.asarray(scale, jnp.float32))
 
 
 def quantize(x: Array, fmt: str, granularity: str = "tensor", *, block: Sequence[int] = (128, 128), axis: int = -1,
              channel_axis: int = -1, scale: Array | float | None = None) -> tuple[Array, Array]:
     """Quantize x to `fmt` with one scale per `granularity` group. Returns (q, scale).
 
-    scale = max(amax, AMAX_EPS) / fmt_max  (float32), q = cast(clip(x / scale, ±fmt_max)) in the storage dtype
-    (float8_e4m3fn, float8_e5m2 or int8). Scale shapes per granularity are in the module docstring:
+    scale = max(amax, AMAX_EPS) * (1/fmt_max) (float32), q = cast(clip(x * (1/scale), ±fmt_max)) in the storage
+    dtype (float8_e4m3fn, float8_e5m2 or int8). Scale shapes per granularity are in the module docstring:
     tensor (), channel S with all axes but `channel_axis` -> 1, token S with `axis` -> 1, block
     S[:-2] + (ceil(M/bm), ceil(N/bn)).
 
@@ -189,16 +229,9 @@ def quantize(x: Array, fmt: str, granularity: str = "tensor", *, block: Sequence
     against x, or for "block" have the block-scale shape); no amax is computed. Finite inputs never give NaN/inf:
     values beyond ±fmt_max * scale saturate. Works on any float input dtype (computed in float32).
     """
-    f = _format(fmt)
-    _check_granularity(granularity)
-    block = _check_block(block)
     x = jnp.asarray(x)
-    if granularity == "block" and x.ndim < 2:
-        raise RecipeError(f"block granularity needs an array of rank >= 2, got shape {x.shape}")
-    if x.ndim == 0 and granularity != "tensor":
-        raise RecipeError(f"granularity {granularity!r} needs an array of rank >= 1, got a scalar")
-    return _quantize_jit(x, None if scale is None else jnp.asarray(scale, jnp.float32), fmt=f.name,
-                         granularity=granularity, block=block, axis=axis, channel_axis=channel_axis)
+    static, scale = _check_args(x, fmt, granularity, block, scale)
+    return _quantize_jit(x, scale, axis=axis, channel_axis=channel_axis, **static)
 
 
 def dequantize(q: Array, scale: Array, dtype: Any = jnp.float32, *, block: Sequence[int] | None = None) -> Array:
@@ -208,26 +241,22 @@ def dequantize(q: Array, scale: Array, dtype: Any = jnp.float32, *, block: Seque
     was made with (the padding makes the block size ambiguous from shapes alone); a rank < 2 scale is always
     broadcast, so `block` may be passed for any granularity.
     """
-    scale = jnp.asarray(scale, jnp.float32)
-    if block is not None:
-        scale = _expand_block_scale(scale, q.shape, _check_block(block))
-    return (q.astype(jnp.float32) * scale).astype(dtype)
+    return _dequantize_jit(q, jnp.asarray(scale, jnp.float32), dtype=jnp.dtype(dtype),
+                           block=None if block is None else _check_block(block))
 
 
 def qdq(x: Array, fmt: str, granularity: str = "tensor", *, block: Sequence[int] = (128, 128), axis: int = -1,
         channel_axis: int = -1, scale: Array | float | None = None, ste: bool = False) -> Array:
-    """Simulated quantization: dequantize(quantize(x, ...)) in x's dtype (f32, bf16, ...).
+    """Simulated quantization: dequantize(quantize(x, ...)) in x's dtype (f32, bf16, ...), one jit.
 
+    Built from the same quantizer and dequantizer as `quantize` / `dequantize`, so both paths agree bit-for-bit.
     ste=True: straight-through estimator, value qdq(x), gradient identity. Written as
     sg(qdq(x)) + (x - sg(x)), whose value is exactly qdq(x) (x - x = 0) and whose d/dx is 1.
     ste=False: the plain composition (its gradient is that of the rounding function, mostly useless).
     """
     x = jnp.asarray(x)
-    q, s = quantize(x, fmt, granularity, block=block, axis=axis, channel_axis=channel_axis, scale=scale)
-    y = dequantize(q, s, x.dtype, block=block if granularity == "block" else None)
-    if ste:
-        y = jax.lax.stop_gradient(y) + (x - jax.lax.stop_gradient(x))
-    return y
+    static, scale = _check_args(x, fmt, granularity, block, scale)
+    return _qdq_jit(x, scale, axis=axis, channel_axis=channel_axis, ste=bool(ste), **static)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

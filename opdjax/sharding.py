@@ -80,17 +80,22 @@ def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
 
     def one(var):
         axes = var.get_metadata().get("logical_axes")
-        shape = var.value.shape
+        shape = var.get_value().shape
         spec = logical_spec(axes, shape, mesh) if axes is not None else P()
         return NamedSharding(mesh, spec)
 
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(one, state, is_leaf=_is_var)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
 
 
 def shard_state(state: nnx.State, mesh: Mesh) -> nnx.State:
     """Place every variable on the mesh according to its logical axes."""
     shardings = param_shardings(state, mesh)
-    return jax.tree.map(lambda x, s: jax.device_put(x, s), state, shardings)
+    return jax.tree.map(lambda v, s: v.replace(value=jax.device_put(v.get_value(), s)), state, shardings,
+                        is_leaf=_is_var)
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

@@ -62,7 +62,7 @@ def name_map(cfg: ModelConfig, state: nnx.State | None = None) -> dict[str, tupl
     """HF tensor name -> (param path tuple, transform) for every param this config's decoder has, layer order."""
     if state is None:
         state = nnx.state(decoder.abstract(cfg))
-    have = {path for path, _ in state.flat_state()}
+    have = {path for path, _ in nnx.to_flat_state(state)}
     out = {}
     table = NAME_TABLES[cfg.model_type]
     for hf, (p, t) in table.items():
@@ -83,14 +83,14 @@ def _to_hf(x, transform):
 
 def named_params(cfg: ModelConfig, state: nnx.State, *, hf_layout: bool = True) -> dict[str, Any]:
     """HF name -> array, layer-ordered. hf_layout=False keeps opdjax's [in, out] kernels (for quant recipes)."""
-    flat = dict(state.flat_state())
-    return {hf: (_to_hf(flat[p].value, t) if hf_layout else flat[p].value) for hf, (p, t) in name_map(cfg, state).items()}
+    flat = dict(nnx.to_flat_state(state))
+    return {hf: (_to_hf(flat[p].get_value(), t) if hf_layout else flat[p].get_value()) for hf, (p, t) in name_map(cfg, state).items()}
 
 
 def state_from_named(cfg: ModelConfig, named: Mapping[str, Any], template: nnx.State, *,
                      hf_layout: bool = True, source: str = "weights") -> nnx.State:
     """Rebuild a state from HF-named arrays, validating names and shapes against `template` (nothing partial)."""
-    flat = dict(template.flat_state())
+    flat = dict(nnx.to_flat_state(template))
     nm = name_map(cfg, template)
     unknown = sorted(n for n in named if n not in nm and not any(r.fullmatch(n) for r in _IGNORED)
                      and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
@@ -103,14 +103,14 @@ def state_from_named(cfg: ModelConfig, named: Mapping[str, Any], template: nnx.S
     new = {}
     for hf, (p, t) in nm.items():
         var = flat[p]
-        want = tuple(var.value.shape)
+        want = tuple(var.get_value().shape)
         a = named[hf]
         got = tuple(np.shape(a)[::-1]) if (t == "T" and hf_layout) else tuple(np.shape(a))
         if got != want:
             shown = want[::-1] if (t == "T" and hf_layout) else want
             raise CheckpointError(f"{source}: tensor {hf!r} has shape {tuple(np.shape(a))}, expected {shown}")
         new[p] = var.replace(value=_to_hf(a, t) if hf_layout else a)
-    return nnx.State.from_flat_path(new)
+    return nnx.from_flat_state(new)
 
 
 def _files(path: pathlib.Path) -> list[pathlib.Path]:
@@ -157,9 +157,14 @@ def load_state(path: str | pathlib.Path, cfg: ModelConfig | None = None, *, para
         from opdjax.sharding import param_shardings
         shardings = param_shardings(template, mesh)
         state = jax.tree.map(
-            lambda a, s: jax.make_array_from_callback(a.shape, s, lambda idx: np.asarray(a[idx], dtype=np_dtype)),
-            state, shardings)
+            lambda v, s: v.replace(value=_place(v.get_value(), s, np_dtype)), state, shardings,
+            is_leaf=lambda x: isinstance(x, nnx.Variable))
     return graphdef, state
+
+
+def _place(a: np.ndarray, sharding, dtype) -> jax.Array:
+    """A global array built shard by shard from a host (memory-mapped) array: each process reads only its part."""
+    return jax.make_array_from_callback(a.shape, sharding, lambda idx: np.asarray(a[idx], dtype=dtype))
 
 
 def load_model(path: str | pathlib.Path, *, param_dtype=jnp.float32, dtype=jnp.float32,

@@ -1,0 +1,68 @@
+"""`opdjax` command line: train | measure | make-tiny | convert (more commands register themselves below)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _make_tiny(args) -> int:
+    from opdjax.models.tiny import make_tiny
+
+    out = make_tiny(args.out_dir, args.family, args.size, seed=args.seed, dtype=args.dtype)
+    print(f"wrote {args.family}/{args.size} checkpoint and tokenizer to {out}")
+    return 0
+
+
+def _convert(args) -> int:
+    import jax.numpy as jnp
+
+    from opdjax.models import hf
+
+    cfg, model = hf.load_model(args.src)
+    hf.save_model(args.dst, cfg, model, dtype=jnp.dtype(args.dtype),
+                  max_shard_bytes=int(args.max_shard_mb * 2**20) if args.max_shard_mb else None)
+    try:
+        from opdjax.models.tiny import load_tokenizer
+
+        load_tokenizer(args.src).save_pretrained(args.dst)
+    except (OSError, ValueError):
+        pass
+    print(f"converted {args.src} -> {args.dst} ({args.dtype})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="opdjax", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("make-tiny", help="write a random-init HF checkpoint + locally trained BPE tokenizer")
+    t.add_argument("out_dir")
+    t.add_argument("--family", default="qwen3", choices=["llama", "qwen2", "qwen3"])
+    t.add_argument("--size", default="tiny", choices=["tiny", "small", "base", "100m"])
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    t.set_defaults(func=_make_tiny)
+
+    c = sub.add_parser("convert", help="re-save a HF checkpoint (dtype change, sharding)")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.add_argument("--max-shard-mb", type=float, default=None)
+    c.set_defaults(func=_convert)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return p
+
+
+_EXTRA_COMMANDS: list = []
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
