@@ -32,9 +32,27 @@ def _convert(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from opdjax import config, pipeline
+
+    cfg = config.load(config.TrainConfig, args.config, args.overrides)
+    if args.print_config:
+        print(config.dump_yaml(cfg), end="")
+        return 0
+    summary = pipeline.train(cfg)
+    print(pipeline.format_summary(summary))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="opdjax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+
+    tr = sub.add_parser("train", help="on-policy distillation (default: the embedded tiny CPU config)")
+    tr.add_argument("--config", default=None, help="YAML config (default: the embedded tiny_cpu defaults)")
+    tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    tr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.temperature=0.8 student=DIR")
+    tr.set_defaults(func=_train)
 
     t = sub.add_parser("make-tiny", help="write a random-init HF checkpoint + locally trained BPE tokenizer")
     t.add_argument("out_dir")
@@ -51,17 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-shard-mb", type=float, default=None)
     c.set_defaults(func=_convert)
 
-    for register in _EXTRA_COMMANDS:
-        register(sub)
     return p
 
 
-_EXTRA_COMMANDS: list = []
-
-
 def main(argv: list[str] | None = None) -> int:
+    from opdjax.config import ConfigError
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"opdjax {args.command}: ConfigError: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -324,13 +324,16 @@ def group_advantages(reward_B: Array, group_size: int = 1, eps: float = 1e-6) ->
 
 @register_loss("reverse_kl_sampled", needs=frozenset({"teacher_logp"}))
 def reverse_kl_sampled(
-    student_logp_BT, student_logprobs_BTV, batch, *, correction: Correction | None = None, discount: float = 0.0
+    student_logp_BT, student_logprobs_BTV, batch, *, correction: Correction | None = None, discount: float = 0.0,
+    baseline: str = "none",
 ) -> tuple[Array, Metrics]:
     """Sampled-token reverse KL as a per-token advantage (the common OPD recipe).
 
     d_t = teacher_logp_t - student_logp_t (0 off the mask);  A_t = sg(d_t), or with ``discount`` γ ∈ (0, 1]
     A_t = sg(Σ_{s≥t} γ^{s-t} d_s) within each row (see :func:`discounted_returns`).
-    loss = -Σ_t w_t A_t student_logp_t / max(Σ mask, 1).
+    ``baseline="batch"`` subtracts the masked batch mean of A (a constant, so the gradient stays unbiased:
+    E_S[b ∇log S] = 0) — it removes the large common negative offset of A and with it most of the variance.
+    loss = -Σ_t w_t (A_t - b) student_logp_t / max(Σ mask, 1).
 
     On the student's own samples E[∇loss] = ∇KL(S‖T) per position (γ = 0, no correction), since
     E_S[(log T - log S) ∇log S] = -∇ Σ_v S(v)(log S(v) - log T(v)).
@@ -340,12 +343,16 @@ def reverse_kl_sampled(
     """
     if not 0.0 <= discount <= 1.0:
         raise ValueError(f"loss 'reverse_kl_sampled': discount must be in [0, 1], got {discount}")
+    if baseline not in ("none", "batch"):
+        raise ValueError(f"loss 'reverse_kl_sampled': baseline must be 'none' or 'batch', got {baseline!r}")
     m = _mask(batch)
     dt = _dtype(student_logp_BT, _get(batch, "teacher_logp_BT"))
     s = jnp.where(m, jnp.asarray(student_logp_BT, dt), 0)
     t = jnp.where(m, jnp.asarray(_get(batch, "teacher_logp_BT"), dt), 0)
     d = jax.lax.stop_gradient(t - s)
     adv = discounted_returns(d, discount) if discount > 0 else d
+    if baseline == "batch":
+        adv = jnp.where(m, adv - masked_mean(adv, m), 0)
     w, corr_metrics = _weights(correction, student_logp_BT, batch, m, dt)
     loss = -_reduce(w, adv * s, m)
     metrics = {
@@ -477,3 +484,18 @@ def reinforce(
     loss = -_reduce(w, adv_B[:, None] * s, m)
     metrics = {"loss": loss, "reward_mean": jnp.mean(r), "adv_std": jnp.std(adv_B)}
     return loss, metrics | corr_metrics
+
+
+@register_loss("sft", needs=frozenset())
+def sft(student_logp_BT, student_logprobs_BTV, batch, *, correction: Correction | None = None) -> tuple[Array, Metrics]:
+    """Supervised cross-entropy on the masked tokens (used to prepare the built-in teacher and student).
+
+    loss = -Σ_t w_t student_logp_t / max(Σ mask, 1). Metrics: ``loss``, ``target_prob`` = masked mean of
+    exp(student_logp) (the mean probability of the target token).
+    """
+    m = _mask(batch)
+    dt = _dtype(student_logp_BT)
+    s = jnp.where(m, jnp.asarray(student_logp_BT, dt), 0)
+    w, corr_metrics = _weights(correction, student_logp_BT, batch, m, dt)
+    loss = -_reduce(w, s, m)
+    return loss, {"loss": loss, "target_prob": masked_mean(jnp.exp(s), m)} | corr_metrics

@@ -25,7 +25,7 @@ abs_log_ratio_mean     mean_t |r|
 abs_log_ratio_p95      95th percentile of |r| over unmasked tokens (linear interpolation, as ``np.percentile``)
 abs_log_ratio_max      max_t |r|
 chi2_token             mean_t(rho² - 1)                             — chi²(pi‖mu) per token
-chi2_seq               mean_b(exp(2·clip(S_b, ±20)) - 1)            — chi² of the sequence ratio Π rho
+chi2_seq               mean_b(exp(clip(2·S_b, ±20)) - 1)            — chi² of the sequence ratio Π rho
 log_ppl_gap_mean       mean_b g_b,  g_b = mean_t(rollout_logp) - mean_t(student_logp)  (raw, unclipped logps)
 log_ppl_gap_abs_mean   mean_b |g_b|
 log_ppl_gap_max        max_b g_b
@@ -88,8 +88,11 @@ REJECTION_MODES = ("token", "sequence", "geometric", "k1", "k2", "k3")
 
 
 def _is_concrete(x) -> bool:
-    """True when ``x`` holds values we can inspect now (not a tracer under jit/vmap/grad)."""
-    return not isinstance(x, jax.core.Tracer)
+    """True when ``x`` holds values this process can inspect now: not a tracer (under jit/vmap/grad) and not a
+    global array with shards on other hosts (multi-process runs)."""
+    if isinstance(x, jax.core.Tracer):
+        return False
+    return not (isinstance(x, jax.Array) and not x.is_fully_addressable)
 
 
 def _check_shapes(student_logp_BT, rollout_logp_BT, mask_BT) -> None:
@@ -308,7 +311,7 @@ def _metrics_core(student_logp_BT, rollout_logp_BT, mask_BT, ratio_threshold) ->
         "abs_log_ratio_p95": masked_quantile(abs_r, valid, 0.95),
         "abs_log_ratio_max": masked_max(abs_r, valid),
         "chi2_token": masked_mean(rho * rho - 1, valid),
-        "chi2_seq": masked_mean(_clip_exp(2 * jnp.clip(sum_r_B, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - 1, seq_ok_B),
+        "chi2_seq": masked_mean(_clip_exp(2 * sum_r_B) - 1, seq_ok_B),
         "log_ppl_gap_mean": gap_mean,
         "log_ppl_gap_abs_mean": masked_mean(jnp.abs(gap_B), seq_ok_B),
         "log_ppl_gap_max": masked_max(gap_B, seq_ok_B),
@@ -395,7 +398,8 @@ def tv_per_position(student_logits_BTV: Array, rollout_logits_BTV: Array, *, tem
 
 @jax.jit
 def _kl_tv_core(student_logits_BTV, rollout_logits_BTV, temperature):
-    return _kl_tv_from_logp(_log_softmax(rollout_logits_BTV, temperature), _log_softmax(student_logits_BTV, temperature))
+    logmu = _log_softmax(rollout_logits_BTV, temperature)
+    return _kl_tv_from_logp(logmu, _log_softmax(student_logits_BTV, temperature))
 
 
 def topk_per_position(

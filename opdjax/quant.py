@@ -16,10 +16,10 @@ Quantization (one formula for every granularity; `amax` is taken over the granul
     q     = cast(clip(x * (1 / scale), -fmt_max, fmt_max)) (int8: round before the cast)
     x'    = q * scale                                     (dequantize; computed in float32, cast to x's dtype)
 
-Divisions are written as multiplications by float32 reciprocals on purpose: XLA rewrites `a / c` and
-`a / broadcast(s)` into `a * (1/c)` on some backends and not others, so a literal division would not be bit-stable
-across eager / jit / CPU / GPU. (vLLM's FP8 kernels also multiply by the inverted scale; its scale itself is a true
-`amax / fmt_max`, which can differ from ours by one float32 ulp.)
+Divisions are written as multiplications by float32 reciprocals on purpose: XLA's CPU compiler rewrites `a / c`
+and `a / broadcast(s)` into `a * (1/c)` (seen with jax 0.10), so a literal division would not be bit-stable across
+programs and backends, while a multiplication is. A vLLM scale computed as a true `amax / fmt_max` can differ from
+ours by one float32 ulp.
 
 Granularities and the shape of the returned scale (x has shape S, ndim n):
 
@@ -38,8 +38,8 @@ Granularities and the shape of the returned scale (x has shape S, ndim n):
                                                                    vLLM's [out/128, in/128] weight_scale_inv.
 
 Everything is pure and jit-able; `fmt`, `granularity`, `block`, `axis`, `channel_axis` and `ste` are static.
-`qdq` is literally `dequantize(quantize(...))`, so a (q, scale) pair shipped by a bridge dequantizes bit-for-bit
-to the simulated weight.
+`qdq` runs the same quantizer and dequantizer code as `quantize` / `dequantize` (fused in one jit), so a (q, scale)
+pair shipped by a bridge dequantizes bit-for-bit to the simulated weight (tested).
 
 Recipes (`Recipe`, registry `RECIPES`) choose which HF modules are quantized and how; `ForwardQuant` carries a recipe
 into a decoder's forward pass (activations, KV cache) as a hashable, jit-closable object.

@@ -59,9 +59,9 @@ def normal_256():
 
 @pytest.fixture(scope="module")
 def grouped_cols():
-    """[256, 512] normal data whose 4 groups of 128 columns have scales 1, 3e-2, 1e-3, 3e-5 (channel/block)."""
+    """[256, 512] normal data whose 4 groups of 128 columns have scales 1, 1e-2, 1e-4, 1e-6 (channel/block)."""
     x = np.asarray(jax.random.normal(jax.random.key(1), (256, 512), jnp.float32))
-    col_scale = np.repeat(10.0 ** (-1.5 * np.arange(4)), 128).astype(np.float32)
+    col_scale = np.repeat(10.0 ** (-2.0 * np.arange(4)), 128).astype(np.float32)
     return jnp.asarray(x * col_scale)
 
 
@@ -275,6 +275,12 @@ def test_presets_registry_and_unknown_names():
     for name, r in Q.RECIPES.items():
         assert r.name == name and hash(r) == hash(dataclasses.replace(r))
     assert Q.get_recipe("none").is_noop
+    # the default mirrors vLLM quantization="fp8": per-tensor e4m3 weights, dynamic per-token e4m3 activations
+    assert Q.module_spec(Q.FP8_DEFAULT, "model.layers.3.mlp.down_proj") == Q.QSpec("e4m3", "tensor")
+    assert Q.FP8_DEFAULT.activations == Q.QSpec("e4m3", "token") and Q.FP8_DEFAULT.kv_cache is None
+    for hp in ("lm_head", "model.embed_tokens", "model.norm", "model.layers.0.input_layernorm",
+               "model.layers.0.mlp.gate", "model.layers.0.self_attn.q_norm"):
+        assert Q.module_spec(Q.FP8_DEFAULT, hp) is None, hp
     assert Q.get_recipe("fp8_w8a8_kv").kv_scale == 1.0 and Q.get_recipe("fp8_kv_only").activations is None
     assert Q.module_spec(Q.get_recipe("fp8_kv_only"), "model.layers.0.mlp.up_proj") is None
     with pytest.raises(ValueError, match="fp8_w8a8_kv"):

@@ -1,5 +1,6 @@
 """Rollout engines: the protocol, the batch they return, and the embedded JAX engine."""
 
 from opdjax.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
+from opdjax.rollout.jax_engine import JaxEngine
 
-__all__ = ["RolloutBatch", "RolloutEngine", "SamplingParams"]
+__all__ = ["JaxEngine", "RolloutBatch", "RolloutEngine", "SamplingParams"]

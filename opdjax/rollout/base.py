@@ -15,7 +15,12 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How an engine samples. `top_k=0` and `top_p=1.0` mean no truncation."""
+    """How an engine samples. `top_k=0` and `top_p=1.0` mean no truncation.
+
+    temperature=0 means greedy decoding (argmax of the raw logits); the reported log-prob of the chosen token is
+    then its log-softmax at temperature 1 over the full vocabulary (top-k/top-p cannot change the argmax and are
+    not applied to it).
+    """
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -26,8 +31,8 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (greedy is not supported for OPD), got {self.temperature}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:

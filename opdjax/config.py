@@ -1,0 +1,367 @@
+"""Configs: dataclasses with one source of defaults, YAML loading, `a.b.c=value` overrides, clear errors.
+
+`TrainConfig()` *is* the embedded default (`configs/tiny_cpu.yaml` writes the same values out for reading and
+editing). A YAML file and command-line overrides are layered on top; every key is checked against the dataclass
+fields (unknown keys name the closest valid key) and every value against its type and allowed choices.
+Top-level shortcuts: `student=DIR teacher=DIR prompts=FILE.jsonl`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+import types
+import typing
+from typing import Any, Mapping
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key that does not exist, or a value of the wrong type or outside its choices."""
+
+
+def _choice(section: str, key: str, value: Any, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{section}.{key}={value!r} is not valid; choose one of {sorted(choices)}")
+
+
+def _positive(section: str, key: str, value, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{section}.{key} must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+
+
+@dataclasses.dataclass
+class TaskConfig:
+    name: str = "addition"           # built-in task (addition, sort, copy, reverse) or "jsonl" with prompts=FILE
+    options: dict = dataclasses.field(default_factory=lambda: {"digits": 2})
+
+    def validate(self):
+        from opdjax import tasks
+
+        _choice("task", "name", self.name, tasks.TASKS)
+
+
+@dataclasses.dataclass
+class PrepareConfig:
+    """How the built-in teacher and student are made when `student`/`teacher` are "builtin"."""
+
+    family: str = "qwen3"
+    teacher_size: str = "small"
+    student_size: str = "small"
+    teacher_steps: int = 1500        # supervised steps on the task until the teacher is accurate
+    student_steps: int = 400         # fewer steps: a weaker student that knows the format
+    batch_size: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+    cache_dir: str = ".opdjax_cache"  # reused across runs; keyed by every field above and the task
+
+    def validate(self):
+        _choice("prepare", "family", self.family, {"llama", "qwen2", "qwen3"})
+        from opdjax.models.tiny import SIZES
+
+        _choice("prepare", "teacher_size", self.teacher_size, SIZES)
+        _choice("prepare", "student_size", self.student_size, SIZES)
+        for k in ("teacher_steps", "batch_size"):
+            _positive("prepare", k, getattr(self, k))
+        _positive("prepare", "student_steps", self.student_steps, zero_ok=True)
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    engine: str = "jax"              # jax | vllm
+    batch_size: int = 32             # prompts per step
+    samples_per_prompt: int = 1
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    recipe: str = "none"             # simulated quantization recipe (opdjax.quant presets) for the JAX engine
+    weight_noise: float = 0.0        # relative Gaussian weight noise on the engine's copy
+    stale_versions: int = 0          # JAX engine serves weights this many versions behind
+    dtype: str = "float32"           # engine compute dtype
+    seed: int = 0
+    vllm: dict = dataclasses.field(default_factory=dict)  # extra vllm.LLM kwargs (kv_cache_dtype, ...)
+
+    def validate(self):
+        _choice("rollout", "engine", self.engine, {"jax", "vllm"})
+        _choice("rollout", "dtype", self.dtype, {"float32", "bfloat16"})
+        for k in ("batch_size", "samples_per_prompt", "max_new_tokens"):
+            _positive("rollout", k, getattr(self, k))
+        _positive("rollout", "temperature", self.temperature, zero_ok=True)
+        _positive("rollout", "top_k", self.top_k, zero_ok=True)
+        _positive("rollout", "weight_noise", self.weight_noise, zero_ok=True)
+        _positive("rollout", "stale_versions", self.stale_versions, zero_ok=True)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p!r}")
+        from opdjax import quant
+
+        _choice("rollout", "recipe", self.recipe, quant.RECIPES)
+
+
+@dataclasses.dataclass
+class StudentConfig:
+    path: str = "builtin"            # HF directory, or "builtin" (prepared on the task); `student=DIR` sets it
+    dtype: str = "float32"           # learner param dtype
+
+    def validate(self):
+        _choice("student", "dtype", self.dtype, {"float32", "bfloat16"})
+
+
+@dataclasses.dataclass
+class TeacherConfig:
+    path: str = "builtin"            # HF directory, or "builtin"; `teacher=DIR` sets it
+    engine: str = "jax"              # jax | vllm
+    top_k: int = 16                  # top-k the teacher returns when the loss needs it
+    dtype: str = "float32"
+
+    def validate(self):
+        _choice("teacher", "engine", self.engine, {"jax", "vllm"})
+        _choice("teacher", "dtype", self.dtype, {"float32", "bfloat16"})
+        _positive("teacher", "top_k", self.top_k, zero_ok=True)
+
+
+@dataclasses.dataclass
+class LossConfig:
+    name: str = "reverse_kl_sampled"
+    options: dict = dataclasses.field(default_factory=dict)   # e.g. {discount: 0.9} or {beta: 0.5}
+    correction: str = "none"         # none | token_tis | seq_tis | token_mis | seq_mis | geo_reject | k3_reject ...
+    correction_options: dict = dataclasses.field(default_factory=dict)  # cap, low, high, threshold, normalize
+
+    def validate(self):
+        from opdjax import losses, mismatch
+
+        _choice("loss", "name", self.name, losses.LOSSES)
+        _choice("loss", "correction", self.correction, mismatch.CORRECTIONS)
+        fields = {f.name for f in dataclasses.fields(mismatch.Correction)} - {"name"}
+        for k in self.correction_options:
+            _choice("loss.correction_options", "key", k, fields)
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    lr: float = 2e-4
+    schedule: str = "constant"       # constant | cosine | linear
+    warmup_steps: int = 5
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.99
+
+    def validate(self):
+        _choice("optim", "schedule", self.schedule, {"constant", "cosine", "linear"})
+        _positive("optim", "lr", self.lr)
+        _positive("optim", "warmup_steps", self.warmup_steps, zero_ok=True)
+        _positive("optim", "grad_clip", self.grad_clip, zero_ok=True)
+
+
+@dataclasses.dataclass
+class PipelineConfig:
+    steps: int = 60
+    mode: str = "sync"               # sync | async
+    max_staleness: int = 1           # async: drop rollouts older than this many versions
+    queue_size: int = 2              # async: rollouts the engine may run ahead
+    eval_every: int = 20
+    eval_prompts: int = 128
+    checkpoint_every: int = 0        # 0: only at the end
+    out_dir: str = "runs/demo"
+    resume: bool = False
+    progress: bool = True
+    tensorboard: bool = True
+
+    def validate(self):
+        _choice("pipeline", "mode", self.mode, {"sync", "async"})
+        _positive("pipeline", "steps", self.steps)
+        for k in ("max_staleness", "eval_every", "checkpoint_every"):
+            _positive("pipeline", k, getattr(self, k), zero_ok=True)
+        _positive("pipeline", "queue_size", self.queue_size)
+        _positive("pipeline", "eval_prompts", self.eval_prompts)
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    shape: tuple = (1, -1, 1)        # (data, fsdp, tensor); one -1 = all remaining devices
+
+    def validate(self):
+        if len(self.shape) != 3 or not all(isinstance(s, int) for s in self.shape):
+            raise ConfigError(f"mesh.shape must be 3 integers (data, fsdp, tensor), got {self.shape!r}")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    prompts: str | None = None       # JSONL prompts (sets task.name=jsonl)
+    seed: int = 0
+    student: StudentConfig = dataclasses.field(default_factory=StudentConfig)
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    prepare: PrepareConfig = dataclasses.field(default_factory=PrepareConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+    def validate(self) -> "TrainConfig":
+        if self.prompts is not None and self.task.name != "jsonl":
+            self.task = TaskConfig(name="jsonl", options={"path": self.prompts, **{
+                k: v for k, v in self.task.options.items() if k in ("prompt_key", "answer_key")}})
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if dataclasses.is_dataclass(v):
+                v.validate()
+        if self.rollout.engine == "vllm" and (self.rollout.recipe != "none" or self.rollout.stale_versions):
+            raise ConfigError("rollout.recipe / rollout.stale_versions simulate mismatch in the JAX engine; with "
+                              "rollout.engine=vllm set vLLM's own options under rollout.vllm (e.g. kv_cache_dtype)")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Generic machinery: dict -> dataclass with type checks, overrides, dumping.
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(path: str, value: Any, tp) -> Any:
+    """Check/convert `value` to the annotated type `tp` (int, float, bool, str, dict, tuple, X | None)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(path, value, a)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif tp is dict or origin is dict:
+        if isinstance(value, Mapping):
+            return dict(value)
+    elif tp is tuple or origin is tuple:
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+    raise ConfigError(f"{path}={value!r} has the wrong type: expected {_type_name(tp)}")
+
+
+def _unknown_key(path: str, key: str, cls) -> ConfigError:
+    valid = [f.name for f in dataclasses.fields(cls)]
+    full = f"{path}.{key}" if path else key
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" (did you mean '{f'{path}.' if path else ''}{close[0]}'?)" if close else ""
+    where = f"under '{path}'" if path else "at top level"
+    return ConfigError(f"unknown key '{full}'{hint}; valid keys {where}: {', '.join(valid)}")
+
+
+def from_dict(cls, d: Mapping[str, Any] | None, path: str = ""):
+    """Build dataclass `cls` from a nested dict, checking every key and type (defaults fill the rest)."""
+    obj = cls()
+    return merge(obj, d or {}, path)
+
+
+def merge(obj, d: Mapping[str, Any], path: str = ""):
+    """A copy of dataclass `obj` with the nested dict `d` applied on top."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{path or 'config'} must be a mapping, got {d!r}")
+    hints = typing.get_type_hints(type(obj))
+    changes = {}
+    fields = {f.name for f in dataclasses.fields(obj)}
+    for key, value in d.items():
+        if key not in fields:
+            raise _unknown_key(path, key, type(obj))
+        sub = f"{path}.{key}" if path else key
+        cur = getattr(obj, key)
+        if dataclasses.is_dataclass(cur):
+            if isinstance(value, str) and "path" in {f.name for f in dataclasses.fields(cur)}:
+                value = {"path": value}  # shortcut: student=DIR means student.path=DIR
+            changes[key] = merge(cur, value, sub)
+        else:
+            changes[key] = _coerce(sub, value, hints[key])
+    return dataclasses.replace(obj, **changes)
+
+
+def parse_override(item: str) -> dict[str, Any]:
+    """`a.b.c=value` -> {"a": {"b": {"c": value}}}; the value is parsed as YAML (numbers, bools, lists, null)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. rollout.temperature=0.8)")
+    key, raw = item.split("=", 1)
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key part")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    out: dict[str, Any] = {}
+    cur = out
+    parts = key.split(".")
+    for p in parts[:-1]:
+        cur = cur.setdefault(p, {})
+    cur[parts[-1]] = value
+    return out
+
+
+def _deep_update(a: dict, b: Mapping) -> dict:
+    for k, v in b.items():
+        if isinstance(v, Mapping) and isinstance(a.get(k), dict):
+            _deep_update(a[k], v)
+        else:
+            a[k] = v
+    return a
+
+
+def load(cls, path: str | pathlib.Path | None = None, overrides: list[str] = ()):
+    """Defaults <- YAML file <- overrides, validated. Dict-valued fields (options) are replaced, not merged."""
+    d: dict[str, Any] = {}
+    if path is not None:
+        p = pathlib.Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML ({e})") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+        d = loaded
+    for item in overrides:
+        _deep_update(d, parse_override(item))
+    cfg = from_dict(cls, d)
+    return cfg.validate() if hasattr(cfg, "validate") else cfg
+
+
+def to_dict(obj) -> dict[str, Any]:
+    """Plain nested dict (tuples as lists) for YAML/JSON dumps."""
+    def conv(v):
+        if isinstance(v, tuple):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+
+    return {k: conv(v) for k, v in dataclasses.asdict(obj).items()}
+
+
+def dump_yaml(obj) -> str:
+    return yaml.safe_dump(to_dict(obj), sort_keys=False)

@@ -1,0 +1,71 @@
+"""Token-level data: prompts and supervised examples from a task, padded into the learner's [B, L] layout."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from opdjax.tasks import Example, Task
+
+
+def encode_prompts(tokenizer, examples: Sequence[Example]) -> list[list[int]]:
+    """Token ids of each prompt (no special tokens added)."""
+    return [tokenizer(ex.prompt, add_special_tokens=False).input_ids for ex in examples]
+
+
+def sft_batch(tokenizer, examples: Sequence[Example], length: int | None = None) -> dict[str, np.ndarray]:
+    """[left-padded prompt | answer + EOS | right pad] rows; the completion mask covers answer + EOS.
+
+    Returns tokens_BL, valid_BL, completion_mask_BL and a zero rollout_logp_BL (no engine produced them).
+    """
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    prompts = encode_prompts(tokenizer, examples)
+    answers = [tokenizer(ex.answer or "", add_special_tokens=False).input_ids + [eos] for ex in examples]
+    P = max(len(p) for p in prompts)
+    A = max(len(a) for a in answers)
+    L = length or P + A
+    if P + A > L:
+        raise ValueError(f"sft_batch: examples need length {P + A}, got length={L}")
+    B = len(examples)
+    tokens = np.full((B, L), pad, np.int32)
+    valid = np.zeros((B, L), bool)
+    comp = np.zeros((B, L), bool)
+    for b, (p, a) in enumerate(zip(prompts, answers)):
+        tokens[b, P - len(p):P] = p
+        tokens[b, P:P + len(a)] = a
+        valid[b, P - len(p):P + len(a)] = True
+        comp[b, P:P + len(a)] = True
+    return dict(tokens_BL=tokens, valid_BL=valid, completion_mask_BL=comp,
+                rollout_logp_BL=np.zeros((B, L), np.float32))
+
+
+@dataclasses.dataclass
+class PromptStream:
+    """An endless, resumable stream of training prompts: epoch e is a fixed shuffle of the train split.
+
+    `position` (examples consumed so far) is all the state a checkpoint needs to resume the stream exactly.
+    """
+
+    task: Task
+    seed: int = 0
+    pool_size: int = 4096
+    position: int = 0
+
+    def __post_init__(self):
+        self._pool = self.task.examples(self.pool_size, self.seed, "train")
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if getattr(self, "_epoch", None) != epoch:
+            self._epoch = epoch
+            self._perm = np.random.RandomState(self.seed + 1000 * epoch).permutation(len(self._pool))
+        return self._perm
+
+    def next(self, n: int) -> list[Example]:
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(self.position, len(self._pool))
+            out.append(self._pool[self._order(epoch)[i]])
+            self.position += 1
+        return out

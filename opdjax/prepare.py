@@ -1,0 +1,117 @@
+"""The embedded default's models: a teacher trained on the task until accurate, and a weaker student.
+
+Both share one locally trained tokenizer. They are written as HF directories under
+`<cache_dir>/<key>/{teacher,student}`, where the key hashes everything that determines them, and reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+import shutil
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from opdjax import tasks
+from opdjax.data import PromptStream, sft_batch
+from opdjax.models import decoder, hf
+from opdjax.models.tiny import make_tiny, train_tokenizer
+
+_FORMAT = 1  # bump when the preparation procedure changes
+
+
+def teacher_forced_accuracy(graphdef, params, batch: dict[str, np.ndarray]) -> float:
+    """Fraction of rows whose every completion token (answer + EOS) is the argmax given the true prefix.
+
+    This equals greedy-decoding exact match: greedy decoding reproduces the answer iff each step's argmax does.
+    """
+    logits, _ = decoder.forward(graphdef, params, jnp.asarray(batch["tokens_BL"]),
+                                valid_BT=jnp.asarray(batch["valid_BL"]))
+    pred = np.asarray(jnp.argmax(logits[:, :-1], -1))
+    ok = (pred == batch["tokens_BL"][:, 1:]) | ~batch["completion_mask_BL"][:, 1:]
+    return float(ok.all(axis=1).mean())
+
+
+def sft_train(path: pathlib.Path, tokenizer, task, steps: int, *, batch_size: int, lr: float, seed: int,
+              log=print) -> float:
+    """Supervised training of the checkpoint at `path` on the task's train split; returns held-out accuracy."""
+    from opdjax.config import OptimConfig
+    from opdjax.learner import Learner
+
+    cfg = hf.ModelConfig.from_dir(path)
+    graphdef, params = hf.load_state(path)
+    heldout = sft_batch(tokenizer, task.examples(256, seed, "heldout"))
+    if steps == 0:
+        return teacher_forced_accuracy(graphdef, params, heldout)
+    learner = Learner(graphdef, loss="sft", optim=OptimConfig(lr=lr, schedule="cosine", warmup_steps=20),
+                      total_steps=steps)
+    state = learner.init(params)
+    stream = PromptStream(task, seed=seed)
+    t0 = time.time()
+    for i in range(steps):
+        state, m = learner.train_step(state, sft_batch(tokenizer, stream.next(batch_size)))
+        if (i + 1) % max(steps // 5, 1) == 0:
+            acc = teacher_forced_accuracy(graphdef, state.params, heldout)
+            log(f"  sft {path.name}: step {i + 1}/{steps} loss {m['loss']:.3f} heldout acc {acc:.2f} "
+                f"({time.time() - t0:.0f}s)")
+    hf.save_model(path, cfg, state.params)
+    return teacher_forced_accuracy(graphdef, state.params, heldout)
+
+
+def _key(**parts) -> str:
+    return hashlib.sha256(json.dumps({"format": _FORMAT, **parts}, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def prepare_builtin(task_cfg, prep, log=print) -> dict:
+    """Teacher and student directories for the task (each built once, then reused); returns paths and accuracy.
+
+    The teacher is keyed by the task and the teacher fields of `prep`; the student additionally by its own fields,
+    so changing only the student reuses the teacher (and its tokenizer, which the student shares).
+    """
+    p = dataclasses.asdict(prep)
+    task = dataclasses.asdict(task_cfg)
+    t_fields = {k: p[k] for k in ("family", "teacher_size", "teacher_steps", "batch_size", "lr", "seed")}
+    s_fields = {k: p[k] for k in ("student_size", "student_steps")}
+    t_key = _key(task=task, teacher=t_fields)
+    s_key = _key(task=task, teacher=t_fields, student=s_fields)
+    root = pathlib.Path(prep.cache_dir) / task_cfg.name
+    teacher_dir, student_dir = root / f"teacher-{t_key}", root / f"student-{s_key}"
+    task_obj = tasks.get_task(task_cfg.name, **task_cfg.options)
+    kw = dict(batch_size=prep.batch_size, lr=prep.lr, seed=prep.seed, log=log)
+    accs = {}
+    for role, path in (("teacher", teacher_dir), ("student", student_dir)):
+        meta_path = path / "opdjax_prepared.json"
+        if meta_path.is_file():
+            accs[role] = json.loads(meta_path.read_text())["heldout_accuracy"]
+            log(f"reusing prepared {role} {path} (held-out accuracy {accs[role]:.2f})")
+            continue
+        size, steps = (prep.teacher_size, prep.teacher_steps) if role == "teacher" else \
+            (prep.student_size, prep.student_steps)
+        log(f"preparing the {role} ({prep.family}/{size}, {steps} supervised steps on {task_cfg.name!r}) in {path}")
+        if role == "teacher":
+            tok = train_tokenizer(tasks.corpus(task_obj, 2000, prep.seed), vocab_size=300)
+        else:
+            from opdjax.models.tiny import load_tokenizer
+
+            tok = load_tokenizer(teacher_dir)
+        seed = prep.seed + (0 if role == "teacher" else 1)
+        tmp = path.with_name(path.name + ".partial")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        make_tiny(tmp, prep.family, size, seed=seed, tokenizer=tok)
+        accs[role] = sft_train(tmp, tok, task_obj, steps, **kw)
+        (tmp / "opdjax_prepared.json").write_text(json.dumps({"heldout_accuracy": accs[role], "role": role,
+                                                              "task": task, "prepare": p}, indent=2))
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)  # complete or absent: an interrupted preparation is redone, never half-used
+        log(f"prepared the {role}: held-out greedy accuracy {accs[role]:.2f}")
+    return {"teacher": str(teacher_dir), "student": str(student_dir), "teacher_acc": accs["teacher"],
+            "student_acc": accs["student"]}
+
+
+__all__ = ["prepare_builtin", "sft_train", "teacher_forced_accuracy"]

@@ -1,0 +1,391 @@
+"""The embedded JAX rollout engine: KV-cache sampling with the mismatch knobs of a real inference engine.
+
+`JaxEngine` serves *derived* weights, built once per `update_weights` from the published (learner) weights:
+
+    served = Q_recipe( W + sigma * rms(W) * eps )        eps ~ N(0, 1), key = fold_in(key(noise_seed), version)
+
+(relative weight noise first, then the recipe's simulated weight quantization — the engine quantizes what it
+receives, as vLLM does). Activation and KV-cache quantization run inside the forward pass through the recipe's
+hooks (`quant.ForwardQuant`). `stale_versions=k` keeps the last k+1 published weight sets and serves the oldest,
+so rollouts are sampled with weights k versions behind the learner.
+
+Generation: prompts are left-padded to P = ceil8(max prompt length) and the batch to a bucket; one prefill writes
+a KV cache of P + max_new_tokens slots, then a `lax.while_loop` feeds one token per step through the cache and
+stops as soon as every row has sampled a stop token. Sampling follows vLLM: logits / T, top-k, top-p (nucleus),
+renormalise, sample; the returned log-prob is that of the sampled token under this processed distribution
+(`processed_logprobs`). T = 0 is greedy: the argmax of the raw logits, reported with its log-softmax at T = 1.
+
+Compiled functions are module-level `jax.jit`s with the graph, hooks and sampling params static and the weights an
+argument, so each (batch bucket, prompt bucket, sampling params) compiles once — shared by every engine with the
+same model and recipe — and weight updates never recompile.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import pathlib
+import threading
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from opdjax import quant
+from opdjax.models import decoder, hf
+from opdjax.models.config import ModelConfig
+from opdjax.rollout.base import RolloutBatch, SamplingParams
+
+Array = jax.Array
+
+__all__ = ["JaxEngine", "processed_logprobs", "bucket_batch", "bucket_len"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Buckets
+# ----------------------------------------------------------------------------------------------------------------------
+
+def bucket_len(n: int, multiple: int = 8) -> int:
+    """n rounded up to a multiple of `multiple` (at least `multiple`)."""
+    return max(multiple, -(-int(n) // multiple) * multiple)
+
+
+def bucket_batch(n: int, multiple: int = 1) -> int:
+    """Batch bucket: the next power of two up to 8, then a multiple of 8; always a multiple of `multiple`."""
+    b = 1 << max(int(n) - 1, 0).bit_length() if n <= 8 else bucket_len(n, 8)
+    return -(-b // multiple) * multiple
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------------------------------------------------
+
+def processed_logprobs(logits_BV: Array, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Array:
+    """Log-probs [..., V] of the engine's sampling distribution (vLLM's `processed_logprobs`).
+
+    x = logits / T; top-k keeps tokens with x >= the k-th largest x (ties at the boundary kept); top-p then keeps
+    the smallest set of most likely tokens whose mass reaches top_p — token j is kept iff the mass of the tokens
+    ranked above it is < top_p (the most likely token always), again as a threshold on x; the result is
+    log_softmax over the kept tokens and -inf elsewhere. temperature, top_k and top_p are static (Python numbers);
+    temperature must be > 0.
+    """
+    x = logits_BV.astype(jnp.float32) / jnp.float32(temperature)
+    V = x.shape[-1]
+    if 0 < top_k < V:
+        kth = jax.lax.top_k(x, top_k)[0][..., -1:]
+        x = jnp.where(x >= kth, x, -jnp.inf)
+    if top_p < 1.0:
+        sorted_x = -jnp.sort(-x, axis=-1)  # descending
+        p_sorted = jax.nn.softmax(sorted_x, axis=-1)
+        mass_above = jnp.cumsum(p_sorted, axis=-1) - p_sorted
+        n_keep = jnp.maximum(jnp.sum(mass_above < top_p, axis=-1, keepdims=True), 1)
+        thresh = jnp.take_along_axis(sorted_x, n_keep - 1, axis=-1)
+        x = jnp.where(x >= thresh, x, -jnp.inf)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def _sample(logits_BV: Array, keys_B: Array, sampling: SamplingParams) -> tuple[Array, Array]:
+    """(token [B] int32, its processed log-prob [B] f32); one key per row."""
+    if sampling.temperature == 0:
+        tok = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+    else:
+        logp_BV = processed_logprobs(logits_BV, sampling.temperature, sampling.top_k, sampling.top_p)
+        tok = jax.vmap(jax.random.categorical)(keys_B, logp_BV).astype(jnp.int32)
+    return tok, jnp.take_along_axis(logp_BV, tok[:, None], axis=-1)[:, 0]
+
+
+def _is_stop(tok_B: Array, stop_ids: tuple[int, ...]) -> Array:
+    if not stop_ids:
+        return jnp.zeros(tok_B.shape, bool)
+    return jnp.any(tok_B[:, None] == jnp.asarray(stop_ids, jnp.int32)[None, :], axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Jitted generation and scoring (static: model graph, hooks, sampling; arguments: weights and data)
+# ----------------------------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "hooks", "sampling", "stop_ids", "pad_id",
+                                             "cache_dtype"))
+def _generate_jit(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sampling, stop_ids, pad_id,
+                  cache_dtype):
+    """Prefill [B, P] into a cache of P + N slots, then decode one token per step until N tokens or all stopped.
+
+    Returns completion tokens [B, N] (pad after a stop), their processed log-probs [B, N] (0 where masked), the
+    completion mask [B, N] and the number of decode steps run.
+    """
+    B, P = tokens_BP.shape
+    N = sampling.max_new_tokens
+    cache = decoder.init_cache(cfg, B, P + N, cache_dtype)
+    logits_BPV, cache = decoder.forward(graphdef, params, tokens_BP, valid_BT=valid_BP, cache=cache, quant=hooks)
+    base = jax.random.key(seed)
+    row_keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(B, dtype=jnp.uint32))
+
+    def sample(logits_BV, step):
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
+        return _sample(logits_BV, keys, sampling)
+
+    tok0, lp0 = sample(logits_BPV[:, -1], 0)  # left padding: the last prompt slot is always a real token
+    out_tok = jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(tok0)
+    out_lp = jnp.zeros((B, N), jnp.float32).at[:, 0].set(lp0)
+    out_mask = jnp.zeros((B, N), bool).at[:, 0].set(True)
+    done = _is_stop(tok0, stop_ids)
+
+    def cond(c):
+        i, _, done, *_ = c
+        return (i < N) & ~jnp.all(done)
+
+    def body(c):
+        i, prev, done, cache, out_tok, out_lp, out_mask = c
+        alive = ~done  # rows whose previous token was sampled and was not a stop token
+        logits_B1V, cache = decoder.forward(graphdef, params, prev[:, None], valid_BT=alive[:, None], cache=cache,
+                                            quant=hooks)
+        tok, lp = sample(logits_B1V[:, 0], i)
+        tok = jnp.where(alive, tok, pad_id)
+        lp = jnp.where(alive, lp, 0.0)
+        out_tok = jax.lax.dynamic_update_slice(out_tok, tok[:, None], (0, i))
+        out_lp = jax.lax.dynamic_update_slice(out_lp, lp[:, None], (0, i))
+        out_mask = jax.lax.dynamic_update_slice(out_mask, alive[:, None], (0, i))
+        return i + 1, tok, done | (alive & _is_stop(tok, stop_ids)), cache, out_tok, out_lp, out_mask
+
+    init = (jnp.ones((), jnp.int32), tok0, done, cache, out_tok, out_lp, out_mask)
+    steps, _, _, _, out_tok, out_lp, out_mask = jax.lax.while_loop(cond, body, init)
+    return out_tok, out_lp, out_mask, steps
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "hooks", "temperature", "top_k"))
+def _score_jit(params, tokens_BL, valid_BL, *, graphdef, hooks, temperature, top_k):
+    """Full forward; log-prob of tokens[:, l] from logits[:, l-1] / T where both positions are valid (else 0)."""
+    logits_BLV, _ = decoder.forward(graphdef, params, tokens_BL, valid_BT=valid_BL, quant=hooks)
+    logp_BLV = jax.nn.log_softmax(logits_BLV[:, :-1] / jnp.float32(temperature), axis=-1)
+    scored = valid_BL[:, 1:] & valid_BL[:, :-1]
+    lp = jnp.take_along_axis(logp_BLV, tokens_BL[:, 1:, None], axis=-1)[..., 0]
+    pad1 = lambda a: jnp.pad(a, [(0, 0), (1, 0)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+    out = {"logp_BL": pad1(jnp.where(scored, lp, 0.0))}
+    if top_k > 0:
+        vals, ids = jax.lax.top_k(logp_BLV, top_k)
+        out["topk_logp_BLK"] = pad1(jnp.where(scored[..., None], vals, 0.0))
+        out["topk_ids_BLK"] = pad1(jnp.where(scored[..., None], ids, 0).astype(jnp.int32))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The engine
+# ----------------------------------------------------------------------------------------------------------------------
+
+class JaxEngine:
+    """The embedded rollout engine (`RolloutEngine` protocol) with simulated quantization, noise and staleness.
+
+    cfg, params       the model and its initial weights (published as version 0); params=None: no weights are
+                      served until the first `update_weights` (generate/score raise until then)
+    graphdef          the decoder graph (default: built from cfg with compute dtype `dtype`)
+    recipe            quantization recipe (a `quant.Recipe`, a preset name or None = none): weights quantized at
+                      update time, activations and KV cache through forward hooks
+    weight_noise      relative Gaussian weight noise sigma (0 = none), keyed by (noise_seed, version)
+    stale_versions    serve the weights published k versions ago (the oldest of the last k+1)
+    pad_id, eos_id    padding id; eos_id (if not None) stops a row like any of `sampling.stop_token_ids`
+    dtype             compute and weight storage dtype; cache_dtype: KV-cache storage dtype (default dtype)
+    mesh              optional (data, fsdp, tensor) mesh: weights placed by logical axes, batches over (data, fsdp)
+
+    Thread-safe: `update_weights` builds the new served weights without blocking generation and swaps them in
+    under a lock (updates themselves are serialised); generate/score take one consistent (weights, version)
+    snapshot, so a batch never mixes versions.
+    """
+
+    name = "jax"
+
+    def __init__(self, cfg: ModelConfig, params: nnx.State | None = None, *, graphdef: nnx.GraphDef | None = None,
+                 recipe: quant.Recipe | str | Mapping[str, Any] | None = None, weight_noise: float = 0.0,
+                 noise_seed: int = 0, stale_versions: int = 0, pad_id: int = 0, eos_id: int | None = None,
+                 dtype: Any = jnp.float32, cache_dtype: Any = None, mesh: jax.sharding.Mesh | None = None):
+        if stale_versions < 0:
+            raise ValueError(f"stale_versions must be >= 0, got {stale_versions}")
+        if weight_noise < 0:
+            raise ValueError(f"weight_noise must be >= 0, got {weight_noise}")
+        for what, tok in (("pad_id", pad_id), ("eos_id", eos_id)):
+            if tok is not None and not 0 <= tok < cfg.vocab_size:
+                raise ValueError(f"{what}={tok} is outside the vocabulary [0, {cfg.vocab_size})")
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.cache_dtype = jnp.dtype(cache_dtype if cache_dtype is not None else dtype)
+        self.recipe = quant.as_recipe(recipe)
+        self.hooks = None if self.recipe.is_noop else self.recipe.forward_hooks()
+        self.weight_noise = float(weight_noise)
+        self.noise_seed = int(noise_seed)
+        self.stale_versions = int(stale_versions)
+        self.pad_id = int(pad_id)
+        self.eos_id = None if eos_id is None else int(eos_id)
+        self.mesh = mesh
+        abstract_graphdef, self._template = nnx.split(decoder.abstract(cfg, dtype=self.dtype, param_dtype=self.dtype))
+        self.graphdef = graphdef if graphdef is not None else abstract_graphdef
+        self._lock = threading.Lock()  # guards the swap; held only for a moment
+        self._update_lock = threading.Lock()  # serialises whole updates so versions publish in call order
+        self._published: collections.deque[tuple[int, nnx.State]] = collections.deque(maxlen=self.stale_versions + 1)
+        self._served: tuple[nnx.State, int] | None = None
+        self.last_stats: dict[str, Any] = {}
+        if params is not None:  # validated like any update (a params tree of another model raises here)
+            named = hf.named_params(cfg, params, hf_layout=False)
+            state = hf.state_from_named(cfg, named, self._template, hf_layout=False, source="JaxEngine(params=...)")
+            self._publish(self._derive(self._cast(state), 0), 0)
+
+    @classmethod
+    def from_pretrained(cls, path: str | pathlib.Path, **kw) -> "JaxEngine":
+        """An engine serving a HF checkpoint directory as version 0; pad/eos ids default to the config's."""
+        cfg = ModelConfig.from_dir(path)
+        if kw.get("pad_id") is None:
+            kw["pad_id"] = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        kw.setdefault("eos_id", cfg.eos_token_id)
+        engine = cls(cfg, **kw)
+        engine.update_weights(hf.read_tensors(path), 0)
+        return engine
+
+    # -- weights -------------------------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The weight version being served (-1 before any weights)."""
+        served = self._served
+        return -1 if served is None else served[1]
+
+    @property
+    def published_versions(self) -> list[int]:
+        """Versions held for staleness, oldest (served) first."""
+        with self._lock:
+            return [v for v, _ in self._published]
+
+    def update_weights(self, named_arrays: Mapping[str, Any], version: int) -> None:
+        """Publish HF-named weights (HF layout, as `hf.named_params` gives) as `version`; all or nothing.
+
+        Names and shapes are validated against the model (`CheckpointError` on an unknown, missing or misshapen
+        tensor); the served weights (noise, quantization, placement) are fully built before the swap, so on any
+        error the engine keeps serving what it served before.
+        """
+        version = int(version)
+        with self._update_lock:
+            state = hf.state_from_named(self.cfg, named_arrays, self._template,
+                                        source=f"update_weights(version={version})")
+            self._publish(self._derive(self._cast(state), version), version)
+
+    def _cast(self, state: nnx.State) -> nnx.State:
+        return jax.tree.map(lambda a: jnp.asarray(a, self.dtype), state)
+
+    def _derive(self, state: nnx.State, version: int) -> nnx.State:
+        """Published weights -> served weights: relative noise, then the recipe's weight qdq, then placement."""
+        if self.weight_noise > 0:
+            key = jax.random.fold_in(jax.random.key(self.noise_seed), version & 0xFFFFFFFF)
+            state = quant.add_weight_noise(state, self.weight_noise, key, mode="relative")
+        if any(spec is not None for _, spec in self.recipe.weights):
+            named = quant.apply_to_named(self.recipe, hf.named_params(self.cfg, state, hf_layout=False))
+            state = hf.state_from_named(self.cfg, named, self._template, hf_layout=False, source="quantized weights")
+        if self.mesh is not None:
+            from opdjax.sharding import shard_state
+            state = shard_state(state, self.mesh)
+        return jax.block_until_ready(state)
+
+    def _publish(self, served: nnx.State, version: int) -> None:
+        with self._lock:
+            self._published.append((version, served))
+            oldest_version, oldest = self._published[0]
+            self._served = (oldest, oldest_version)
+
+    def _snapshot(self) -> tuple[nnx.State, int]:
+        with self._lock:
+            served = self._served
+        if served is None:
+            raise RuntimeError("JaxEngine has no weights yet: pass params= or call update_weights() first")
+        return served
+
+    # -- batches -------------------------------------------------------------------------------------------------
+    def _batch_multiple(self) -> int:
+        if self.mesh is None:
+            return 1
+        return int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+
+    def _put(self, *arrays: np.ndarray):
+        if self.mesh is None:
+            return tuple(jnp.asarray(a) for a in arrays)
+        from opdjax.sharding import batch_sharding
+        return tuple(jax.device_put(a, batch_sharding(self.mesh, a.ndim)) for a in arrays)
+
+    def _check_ids(self, what: str, ids: np.ndarray) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
+            bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)][0]
+            raise ValueError(f"{what}: token id {int(bad)} is outside the vocabulary [0, {self.cfg.vocab_size})")
+
+    # -- generation ----------------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> RolloutBatch:
+        """Sample one completion per prompt; see the module docstring for the layout and the log-probs.
+
+        Row j's samples depend only on (seed, j, weights): the batch bucket does not change them.
+        """
+        if len(prompts) == 0:
+            raise ValueError("generate: no prompts")
+        params, version = self._snapshot()
+        n = len(prompts)
+        lens = [len(p) for p in prompts]
+        if min(lens) == 0:
+            raise ValueError(f"generate: prompt {lens.index(0)} is empty; every prompt needs at least one token")
+        P, B = bucket_len(max(lens)), bucket_batch(n, self._batch_multiple())
+        N = sampling.max_new_tokens
+        tokens_BP = np.full((B, P), self.pad_id, np.int32)
+        valid_BP = np.zeros((B, P), bool)
+        for j, p in enumerate(prompts):
+            ids = np.asarray(p, np.int64)
+            self._check_ids(f"generate: prompt {j}", ids)
+            tokens_BP[j, P - len(ids):] = ids
+            valid_BP[j, P - len(ids):] = True
+        valid_BP[n:, -1] = True  # padding rows: one pad token, dropped afterwards
+        stop_ids = tuple(sorted(set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())))
+        tok_d, valid_d = self._put(tokens_BP, valid_BP)
+        out_tok, out_lp, out_mask, steps = _generate_jit(
+            params, tok_d, valid_d, jnp.uint32(int(seed) & 0xFFFFFFFF), cfg=self.cfg, graphdef=self.graphdef,
+            hooks=self.hooks, sampling=sampling, stop_ids=stop_ids, pad_id=self.pad_id, cache_dtype=self.cache_dtype)
+        out_tok, out_lp, out_mask = (np.asarray(a)[:n] for a in (out_tok, out_lp, out_mask))
+        self.last_stats = {"batch_bucket": B, "prompt_bucket": P, "decode_steps": int(steps)}
+        tokens_BL = np.concatenate([tokens_BP[:n], out_tok], axis=1)
+        completion_BL = np.concatenate([np.zeros((n, P), bool), out_mask], axis=1)
+        return RolloutBatch(
+            tokens_BL=tokens_BL,
+            valid_BL=np.concatenate([valid_BP[:n], out_mask], axis=1),
+            completion_mask_BL=completion_BL,
+            rollout_logp_BL=np.concatenate([np.zeros((n, P), np.float32), out_lp.astype(np.float32)], axis=1),
+            version_B=np.full((n,), version, np.int64),
+            prompt_index_B=np.arange(n, dtype=np.int64),
+            meta={"engine": self.name, "sampling": dataclasses.asdict(sampling), "seed": int(seed),
+                  "recipe": self.recipe.name, "weight_noise": self.weight_noise, "noise_seed": self.noise_seed,
+                  "stale_versions": self.stale_versions, "version": version, "prompt_len": P},
+        )
+
+    # -- scoring -------------------------------------------------------------------------------------------------
+    def score(self, tokens_BL: np.ndarray, valid_BL: np.ndarray, *, temperature: float = 1.0,
+              top_k: int = 0) -> dict[str, Any]:
+        """Log-probs of given tokens under the served weights and hooks, with logits / temperature.
+
+        logp_BL[b, l] = log softmax(logits[b, l-1] / T)[tokens[b, l]] where valid[b, l] and valid[b, l-1], else 0
+        (no truncation: top-k/top-p of a sampling run are not applied). top_k > 0 adds topk_ids_BLK / topk_logp_BLK,
+        the k most likely tokens of the same distribution (the one predicting position l; zeros where logp_BL is
+        unscored). Also returns the served `version`.
+        """
+        if not temperature > 0:
+            raise ValueError(f"score: temperature must be > 0, got {temperature}")
+        if top_k < 0 or top_k > self.cfg.vocab_size:
+            raise ValueError(f"score: top_k must be in [0, {self.cfg.vocab_size}], got {top_k}")
+        tokens_BL, valid_BL = np.asarray(tokens_BL), np.asarray(valid_BL, bool)
+        if tokens_BL.ndim != 2 or tokens_BL.shape != valid_BL.shape:
+            raise ValueError(f"score: tokens_BL {tokens_BL.shape} and valid_BL {valid_BL.shape} must be equal 2-D")
+        self._check_ids("score: tokens_BL", np.where(valid_BL, tokens_BL, 0))
+        params, version = self._snapshot()
+        n, L = tokens_BL.shape
+        B, Lb = bucket_batch(n, self._batch_multiple()), bucket_len(L)
+        tok = np.full((B, Lb), self.pad_id, np.int32)
+        val = np.zeros((B, Lb), bool)
+        tok[:n, :L] = np.where(valid_BL, tokens_BL, self.pad_id)
+        val[:n, :L] = valid_BL
+        tok_d, val_d = self._put(tok, val)
+        out = _score_jit(params, tok_d, val_d, graphdef=self.graphdef, hooks=self.hooks,
+                         temperature=float(temperature), top_k=int(top_k))
+        res: dict[str, Any] = {k: np.asarray(v)[:n, :L] for k, v in out.items()}
+        res["version"] = version
+        return res
