@@ -44,6 +44,16 @@ def _train(args) -> int:
     return 0
 
 
+def _measure(args) -> int:
+    from opdjax import measure
+
+    measure.run(args.student, engine=args.engine, options=measure.parse_options(args.options),
+                prompts_file=args.prompts, task=args.task, n=args.n, max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                batch_size=args.batch_size, out=args.out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="opdjax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -53,6 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     tr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.temperature=0.8 student=DIR")
     tr.set_defaults(func=_train)
+
+    m = sub.add_parser("measure", help="sample with an engine, rescore with the learner, report the mismatch")
+    m.add_argument("--student", required=True, help="student HF checkpoint directory (with tokenizer)")
+    src = m.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", default=None, help="JSONL file with a 'prompt' field per line")
+    src.add_argument("--task", default=None, help="built-in task name (held-out prompts), e.g. addition")
+    m.add_argument("--engine", default="jax", choices=["jax", "vllm"])
+    m.add_argument("--n", type=int, default=64, help="number of prompts")
+    m.add_argument("--max-new-tokens", type=int, default=16)
+    m.add_argument("--temperature", type=float, default=1.0)
+    m.add_argument("--top-k", type=int, default=0)
+    m.add_argument("--top-p", type=float, default=1.0)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--batch-size", type=int, default=32)
+    m.add_argument("--out", default=None, help="write the JSON report here")
+    m.add_argument("options", nargs="*", help="engine options key=value, e.g. dtype=bfloat16 kv_cache_dtype=fp8")
+    m.set_defaults(func=_measure)
 
     t = sub.add_parser("make-tiny", help="write a random-init HF checkpoint + locally trained BPE tokenizer")
     t.add_argument("out_dir")

@@ -114,12 +114,14 @@ class TeacherConfig:
     path: str = "builtin"            # HF directory, or "builtin"; `teacher=DIR` sets it
     engine: str = "jax"              # jax | vllm
     top_k: int = 16                  # top-k the teacher returns when the loss needs it
+    temperature: float = 1.0         # the target distribution is softmax(teacher logits / temperature)
     dtype: str = "float32"
 
     def validate(self):
         _choice("teacher", "engine", self.engine, {"jax", "vllm"})
         _choice("teacher", "dtype", self.dtype, {"float32", "bfloat16"})
         _positive("teacher", "top_k", self.top_k, zero_ok=True)
+        _positive("teacher", "temperature", self.temperature)
 
 
 @dataclasses.dataclass

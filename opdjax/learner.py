@@ -145,7 +145,7 @@ class Learner:
             (loss, (m, logp_BL)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
             updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-            metrics = {**m, "loss": loss, "grad_norm": optax.global_norm(grads), "lr": self.schedule(state.step)}
+            metrics = {**m, "loss": loss, "grad_norm": optax.tree.norm(grads), "lr": self.schedule(state.step)}
             mm = mismatch.metrics(jax.lax.stop_gradient(logp_BL), batch["rollout_logp_BL"],
                                   batch["completion_mask_BL"])
             metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
@@ -193,7 +193,7 @@ def save_checkpoint(directory: str | pathlib.Path, state: TrainState, extra: Map
     step = int(jax.device_get(state.step))
     opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
     with ocp.CheckpointManager(pathlib.Path(directory).absolute(), options=opts) as mngr:
-        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(dataclasses.asdict(state)),
+        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_as_tree(state)),
                                                 extra=ocp.args.JsonSave(dict(extra))), force=True)
         mngr.wait_until_finished()
 
@@ -218,7 +218,15 @@ def restore_checkpoint(directory: str | pathlib.Path, like: TrainState,
         step = mngr.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {p}")
-        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, dataclasses.asdict(like))
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _as_tree(like))
         out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                          extra=ocp.args.JsonRestore()))
-    return TrainState(**out["state"]), dict(out["extra"])
+    restored = out["state"]
+    # Orbax hands back plain containers; put the leaves back into the live structure (nnx Variables, optax tuples).
+    state = TrainState(**{k: jax.tree.unflatten(jax.tree.structure(getattr(like, k)), jax.tree.leaves(restored[k]))
+                          for k in ("step", "params", "opt_state")})
+    return state, dict(out["extra"])
+
+
+def _as_tree(state: TrainState) -> dict[str, Any]:
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state}

@@ -86,7 +86,8 @@ def make_teacher(cfg: TrainConfig, teacher_path: str, mesh):
         from opdjax.rollout.vllm_engine import VllmTeacher
 
         return VllmTeacher(teacher_path, dtype=cfg.teacher.dtype)
-    return JaxTeacher.from_pretrained(teacher_path, dtype=cfg.teacher.dtype, mesh=mesh)
+    return JaxTeacher.from_pretrained(teacher_path, dtype=cfg.teacher.dtype, mesh=mesh,
+                                      temperature=cfg.teacher.temperature)
 
 
 def build(cfg: TrainConfig, log=print) -> Run:

@@ -6,8 +6,6 @@ serve as the teacher too (`opdjax.rollout.vllm_engine`), through the same `score
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,27 +31,33 @@ def check_same_vocab(student: ModelConfig, teacher: ModelConfig, student_tok=Non
             raise VocabMismatchError(f"student and teacher tokenizers differ (e.g. {diff}); they must be identical")
 
 
-def scores_from_logits(logits_BLV: jax.Array, tokens_BL: jax.Array, top_k: int, full: bool) -> dict[str, jax.Array]:
-    """teacher_logp_BL[b, l] = log softmax(logits[b, l-1])[tokens[b, l]] (0 at l = 0), plus top-k / logits.
+def scores_from_logits(logits_BLV: jax.Array, tokens_BL: jax.Array, top_k: int, full: bool,
+                       temperature: float = 1.0) -> dict[str, jax.Array]:
+    """teacher_logp_BL[b, l] = log softmax(logits[b, l-1] / τ)[tokens[b, l]] (0 at l = 0), plus top-k / logits.
 
     top-k ids/log-probs [B, L, K] describe the distribution predicting position l (normalised over the full vocab).
     """
-    lp = jax.nn.log_softmax(logits_BLV[:, :-1].astype(jnp.float32), axis=-1)
+    scaled = logits_BLV[:, :-1].astype(jnp.float32) / temperature
+    lp = jax.nn.log_softmax(scaled, axis=-1)
     pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
     out = {"teacher_logp_BL": pad(jnp.take_along_axis(lp, tokens_BL[:, 1:, None], -1)[..., 0])}
     if top_k:
         vals, ids = jax.lax.top_k(lp, top_k)
         out["teacher_topk_logp_BLK"], out["teacher_topk_ids_BLK"] = pad(vals), pad(ids.astype(jnp.int32))
     if full:
-        out["teacher_logits_BLV"] = pad(logits_BLV[:, :-1].astype(jnp.float32))
+        out["teacher_logits_BLV"] = pad(scaled)
     return out
 
 
 class JaxTeacher:
     """A fixed teacher model scoring token sequences."""
 
-    def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State, *, mesh=None):
+    def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State, *, mesh=None,
+                 temperature: float = 1.0):
+        if not temperature > 0:
+            raise ValueError(f"teacher temperature must be > 0, got {temperature}")
         self.cfg = cfg
+        self.temperature = float(temperature)
         self.graphdef = graphdef
         if mesh is not None:
             from opdjax.sharding import shard_state
@@ -64,10 +68,10 @@ class JaxTeacher:
         self._fns: dict = {}
 
     @classmethod
-    def from_pretrained(cls, path, *, dtype=jnp.float32, mesh=None) -> "JaxTeacher":
+    def from_pretrained(cls, path, *, dtype=jnp.float32, mesh=None, temperature: float = 1.0) -> "JaxTeacher":
         cfg = ModelConfig.from_dir(path)
         graphdef, params = hf.load_state(path, cfg, param_dtype=dtype, dtype=dtype)
-        return cls(cfg, graphdef, params, mesh=mesh)
+        return cls(cfg, graphdef, params, mesh=mesh, temperature=temperature)
 
     def score(self, tokens_BL: np.ndarray, valid_BL: np.ndarray, needs: frozenset[str] = frozenset({"teacher_logp"}),
               top_k: int = 16) -> dict[str, np.ndarray]:
@@ -81,13 +85,9 @@ class JaxTeacher:
         if key not in self._fns:
             def fn(params, tokens, valid):
                 logits, _ = decoder.forward(self.graphdef, params, tokens, valid_BT=valid)
-                return scores_from_logits(logits, tokens, k, full)
+                return scores_from_logits(logits, tokens, k, full, self.temperature)
 
             self._fns[key] = jax.jit(fn)
         out = self._fns[key](self.params, jnp.asarray(tokens_BL), jnp.asarray(valid_BL, bool))
         return {name: np.asarray(v) for name, v in jax.device_get(out).items()}
 
-
-def merge_scores(batch: Mapping[str, np.ndarray], scores: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The learner batch: rollout fields plus the teacher's."""
-    return {**batch, **scores}

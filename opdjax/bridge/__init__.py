@@ -1,0 +1,20 @@
+"""The weight-sync bridge: JAX learner params -> a running inference engine (vLLM or the JaxEngine).
+
+Learner side: `Publisher(cfg, transport, dtype=..., recipe=...)` turns params into a layer-ordered stream of
+HF-named tensors (`stream.hf_stream`, the HF interop name table; bf16/f32, or pre-quantized FP8 + scales from
+`quant.quantize_named`) with a versioned `Manifest` (names, shapes, dtypes, CRC-32s). Engine side:
+`WeightReceiver(target, ModelSpec)` validates a publish completely before touching the engine and applies it all
+or nothing. Transports: in-process (DLPack, no copy), atomic file/shared-memory snapshots, TCP with a shared-secret
+token. See each module's docstring.
+"""
+
+from opdjax.bridge.manifest import BridgeError, Manifest, ModelSpec, TensorEntry, build_manifest, validate
+from opdjax.bridge.receiver import ArrayTarget, WeightReceiver, payload_views
+from opdjax.bridge.stream import Publisher, hf_stream, prepare
+from opdjax.bridge.transports import (InProcessTransport, SnapshotTransport, SnapshotWatcher, TcpReceiverServer,
+                                      TcpTransport, default_snapshot_root, snapshot_payload)
+
+__all__ = ["ArrayTarget", "BridgeError", "InProcessTransport", "Manifest", "ModelSpec", "Publisher",
+           "SnapshotTransport", "SnapshotWatcher", "TcpReceiverServer", "TcpTransport", "TensorEntry",
+           "WeightReceiver", "build_manifest", "default_snapshot_root", "hf_stream", "payload_views", "prepare",
+           "snapshot_payload", "validate"]

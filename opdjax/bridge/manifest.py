@@ -1,0 +1,266 @@
+"""Weight manifests: what one publish carries, and the engine-side spec it is validated against.
+
+A publish of version v is a manifest plus one payload: the tensors' bytes, back to back, in manifest order
+(layer order, HF names and HF layout: Linear weights [out, in]). Each entry names its tensor, shape, dtype
+(safetensors dtype names: "F32", "BF16", "F8_E4M3", ...), byte offset and size in the payload and a CRC-32 of its
+bytes (None when the transport cannot corrupt or truncate, i.e. in-process).
+
+Pre-quantized FP8 weights (made by `opdjax.quant.quantize_named`, the same quantizer the simulation uses) travel
+as two entries: the weight `<module>.weight` in the FP8 storage dtype with `quant = {fmt, granularity, block}`
+(block in HF layout, i.e. (bn, bm) of the simulation's (bm, bn)), and its float32 scale `<module>.weight_scale`
+(`scale_of` = the weight's name; HF layout: a channel scale is [out, 1], a block scale [ceil(out/bn),
+ceil(in/bm)]).
+
+`ModelSpec` is what the receiving engine serves: every HF tensor name of its model with its shape and the dtype it
+accepts. `validate` compares a manifest with a spec and raises one `BridgeError` listing every problem, before any
+byte of the payload is looked at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import zlib
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from opdjax.models.safetensors_io import DTYPES
+
+FORMAT = "opdjax-bridge/1"
+FP8_DTYPES = {"e4m3": "F8_E4M3", "e5m2": "F8_E5M2", "int8": "I8"}
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class BridgeError(ValueError):
+    """A weight update that was refused (bad manifest, corrupt or truncated payload, bad token, ...)."""
+
+
+def dtype_name(dtype: Any) -> str:
+    """numpy/JAX/ml_dtypes dtype or "bfloat16"-style string -> safetensors dtype name ("BF16")."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return dtype
+    try:
+        d = np.dtype(dtype)
+    except TypeError:
+        d = np.dtype(getattr(dtype, "dtype", dtype))
+    if d not in _NAMES:
+        raise BridgeError(f"dtype {dtype!r} cannot travel over the bridge; supported: {sorted(DTYPES)}")
+    return _NAMES[d]
+
+
+def np_dtype(name: str) -> np.dtype:
+    if name not in DTYPES:
+        raise BridgeError(f"unknown dtype {name!r}; supported: {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def checksum(buf: Any) -> int:
+    """CRC-32 of a contiguous buffer (numpy array, bytes, memoryview)."""
+    if isinstance(buf, np.ndarray):
+        buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    return zlib.crc32(buf) & 0xFFFFFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a publish (see the module docstring)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+    crc32: int | None = None
+    quant: dict | None = None        # on a pre-quantized weight: {"fmt", "granularity", "block"}
+    scale_of: str | None = None      # on a scale: the weight it scales
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape)
+        return {k: v for k, v in d.items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TensorEntry":
+        try:
+            return cls(name=str(d["name"]), shape=tuple(int(s) for s in d["shape"]), dtype=str(d["dtype"]),
+                       offset=int(d["offset"]), nbytes=int(d["nbytes"]),
+                       crc32=None if d.get("crc32") is None else int(d["crc32"]), quant=d.get("quant"),
+                       scale_of=d.get("scale_of"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise BridgeError(f"malformed manifest entry {dict(d)!r}: {e!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """A versioned publish: entries in payload order; `dtype` is the high-precision dtype of unquantized tensors."""
+
+    version: int
+    model_type: str
+    dtype: str
+    entries: tuple[TensorEntry, ...]
+    recipe: str | None = None
+    format: str = FORMAT
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    def to_json(self) -> str:
+        return json.dumps({"format": self.format, "version": self.version, "model_type": self.model_type,
+                           "dtype": self.dtype, "recipe": self.recipe,
+                           "entries": [e.to_dict() for e in self.entries]}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Manifest":
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BridgeError(f"manifest is not valid JSON ({e})") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            got = d.get("format") if isinstance(d, dict) else type(d).__name__
+            raise BridgeError(f"manifest format {got!r} is not {FORMAT!r}")
+        try:
+            return cls(version=int(d["version"]), model_type=str(d["model_type"]), dtype=str(d["dtype"]),
+                       entries=tuple(TensorEntry.from_dict(e) for e in d["entries"]), recipe=d.get("recipe"))
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, BridgeError):
+                raise
+            raise BridgeError(f"malformed manifest: missing or bad field ({e!r})") from None
+
+
+def build_manifest(version: int, model_type: str, dtype: str, tensors: Iterable[tuple[str, Any, dict]], *,
+                   recipe: str | None = None, checksums: bool = True) -> Manifest:
+    """A manifest for (name, array, extra) triples in payload order (`extra` holds quant / scale_of)."""
+    entries, offset = [], 0
+    for name, a, extra in tensors:
+        shape = tuple(int(s) for s in np.shape(a))
+        dt = dtype_name(a.dtype)
+        nbytes = math.prod(shape) * np_dtype(dt).itemsize
+        crc = checksum(np.asarray(a)) if checksums else None
+        entries.append(TensorEntry(name=name, shape=shape, dtype=dt, offset=offset, nbytes=nbytes, crc32=crc,
+                                   **extra))
+        offset += nbytes
+    return Manifest(version=int(version), model_type=model_type, dtype=dtype_name(dtype), entries=tuple(entries),
+                    recipe=recipe)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The engine side: what it serves, and validation
+# ----------------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The tensors an engine serves: HF name -> HF-layout shape (layer order), the accepted dtype, the family."""
+
+    model_type: str
+    dtype: str
+    shapes: Mapping[str, tuple[int, ...]]
+
+    @classmethod
+    def from_config(cls, cfg, dtype: Any) -> "ModelSpec":
+        """The spec of a decoder config (`opdjax.models.ModelConfig`) served in `dtype`, from the HF name table."""
+        from flax import nnx
+
+        from opdjax.models import decoder, hf
+
+        state = nnx.state(decoder.abstract(cfg))
+        flat = dict(nnx.to_flat_state(state))
+        shapes = {}
+        for name, (path, t) in hf.name_map(cfg, state).items():
+            shape = tuple(flat[path].get_value().shape)
+            shapes[name] = shape[::-1] if t == "T" else shape
+        return cls(model_type=cfg.model_type, dtype=dtype_name(dtype), shapes=shapes)
+
+
+def _scale_shape(shape: tuple[int, ...], quant: Mapping[str, Any]) -> tuple[int, ...]:
+    """Shape of the float32 scale of an HF-layout weight [out, in] quantized with `quant` (HF-layout block)."""
+    g = quant.get("granularity")
+    if g == "tensor":
+        return ()
+    if g == "channel":
+        return (shape[0], 1)
+    if g == "block":
+        bo, bi = quant["block"]
+        return (-(-shape[0] // bo), -(-shape[1] // bi))
+    raise BridgeError(f"unsupported granularity {g!r} for a bridged weight; valid: tensor, channel, block")
+
+
+def validate(manifest: Manifest, spec: ModelSpec, *, served_version: int | None = None) -> None:
+    """Raise one BridgeError listing every way `manifest` does not fit `spec`; return None when it fits.
+
+    Checks: family; every spec tensor present exactly once; no unknown tensor; shapes; dtypes (unquantized
+    tensors in the spec's dtype; a quantized weight in its format's storage dtype with a float32 scale of the right
+    shape); entries tile the payload contiguously with nbytes = numel * itemsize.
+    """
+    problems: list[str] = []
+    if manifest.model_type != spec.model_type:
+        problems.append(f"model_type {manifest.model_type!r} but the engine serves {spec.model_type!r}")
+    seen: dict[str, TensorEntry] = {}
+    offset = 0
+    for e in manifest.entries:
+        if e.name in seen:
+            problems.append(f"tensor {e.name!r} appears twice")
+        seen[e.name] = e
+        if e.dtype not in DTYPES:
+            problems.append(f"tensor {e.name!r} has unknown dtype {e.dtype!r}")
+        elif e.nbytes != math.prod(e.shape) * DTYPES[e.dtype].itemsize:
+            problems.append(f"tensor {e.name!r} declares {e.nbytes} bytes, expected "
+                            f"{math.prod(e.shape) * DTYPES[e.dtype].itemsize} for {e.dtype}{list(e.shape)}")
+        if e.offset != offset:
+            problems.append(f"tensor {e.name!r} starts at byte {e.offset}, expected {offset} (entries must tile "
+                            f"the payload in order)")
+        offset = e.offset + e.nbytes
+    scales = {e.scale_of: e for e in manifest.entries if e.scale_of is not None}
+    for e in manifest.entries:
+        if e.scale_of is not None:
+            w = seen.get(e.scale_of)
+            if w is None or w.quant is None:
+                problems.append(f"scale {e.name!r} belongs to {e.scale_of!r}, which is not a quantized weight "
+                                f"of this manifest")
+            elif e.name != e.scale_of + "_scale":
+                problems.append(f"scale {e.name!r} of {e.scale_of!r} must be named {e.scale_of + '_scale'!r}")
+            continue
+        if e.name not in spec.shapes:
+            problems.append(f"unknown tensor {e.name!r}")
+            continue
+        want = spec.shapes[e.name]
+        if tuple(e.shape) != tuple(want):
+            problems.append(f"tensor {e.name!r} has shape {tuple(e.shape)}, expected {tuple(want)}")
+        if e.quant is None:
+            if e.dtype != spec.dtype:
+                problems.append(f"tensor {e.name!r} has dtype {e.dtype}, expected {spec.dtype}")
+            continue
+        fmt = e.quant.get("fmt")
+        if fmt not in FP8_DTYPES:
+            problems.append(f"tensor {e.name!r}: unknown quantization format {fmt!r}; valid: {sorted(FP8_DTYPES)}")
+            continue
+        if e.dtype != FP8_DTYPES[fmt]:
+            problems.append(f"tensor {e.name!r} is quantized as {fmt} but has dtype {e.dtype}, expected "
+                            f"{FP8_DTYPES[fmt]}")
+        if len(e.shape) != 2:
+            problems.append(f"tensor {e.name!r}: only 2-D weights can be quantized, got shape {tuple(e.shape)}")
+            continue
+        s = scales.get(e.name)
+        if s is None:
+            problems.append(f"quantized tensor {e.name!r} has no scale entry {e.name + '_scale'!r}")
+            continue
+        try:
+            want_s = _scale_shape(tuple(e.shape), e.quant)
+        except (BridgeError, KeyError, TypeError, ValueError) as err:
+            problems.append(f"tensor {e.name!r}: bad quant spec {e.quant!r} ({err})")
+            continue
+        if s.dtype != "F32" or tuple(s.shape) != want_s:
+            problems.append(f"scale {s.name!r} is {s.dtype}{list(s.shape)}, expected F32{list(want_s)}")
+    missing = [n for n in spec.shapes if n not in seen]
+    if missing:
+        problems.append(f"missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if problems:
+        keeps = "" if served_version is None else f"; engine keeps serving v{served_version}"
+        shown = "; ".join(problems[:8]) + (f"; ... ({len(problems) - 8} more)" if len(problems) > 8 else "")
+        raise BridgeError(f"manifest v{manifest.version} rejected: {shown}{keeps}")

@@ -1,0 +1,128 @@
+"""The learner side: (possibly sharded) JAX params -> a layer-ordered stream of HF-named tensors -> a publish.
+
+`hf_stream` walks the HF name table (`opdjax.models.hf.name_map`, the same table checkpoints use) in layer order
+and yields (HF name, HF-layout array, extra) for every tensor: unquantized tensors cast to the wire dtype (bf16 or
+f32; the cast runs in JAX, so it rounds exactly as the learner's own cast), and, for the modules a quantization
+recipe quantizes, the FP8 weight and its float32 scale made by `opdjax.quant.quantize_named` from the cast weight
+(the same quantizer the JaxEngine simulation uses, so the engine's dequantized weight equals the simulated one
+bit-for-bit). Sharded arrays that are not fully addressable are all-gathered first (every process must call;
+only process 0 publishes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from opdjax import quant
+from opdjax.bridge.manifest import Manifest, build_manifest
+from opdjax.models import hf
+from opdjax.models.config import ModelConfig
+
+__all__ = ["hf_stream", "prepare", "Publisher"]
+
+
+def _gathered(x: Any) -> Any:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(x, tiled=True)
+    return x
+
+
+def _cast(x: Any, dtype: np.dtype) -> Any:
+    if isinstance(x, jax.Array):
+        return x if x.dtype == dtype else x.astype(dtype)
+    x = np.asarray(x)
+    return x if x.dtype == dtype else jnp.asarray(x).astype(dtype)  # JAX rounding (RNE), as the learner's cast
+
+
+def _weight_spec(recipe: quant.Recipe, name: str, ndim: int) -> quant.QSpec | None:
+    """The recipe's spec for a 2-D `<module>.weight` (None: high precision), as `quant.quantize_named` selects."""
+    if ndim != 2 or not name.endswith(".weight"):
+        return None
+    return quant.module_spec(recipe, name[: -len(".weight")])
+
+
+def hf_stream(cfg: ModelConfig, params: nnx.State | Mapping[str, Any], *, dtype: Any = "bfloat16",
+              recipe: quant.Recipe | str | None = None) -> Iterator[tuple[str, Any, dict]]:
+    """(HF name, HF-layout array, extra) in layer order; see the module docstring.
+
+    params: an nnx.State of the decoder, or HF-named arrays in HF layout (as `hf.named_params` gives).
+    extra: {} for a plain tensor, {"quant": {...}} on an FP8 weight, {"scale_of": name} on its scale.
+    """
+    dt = np.dtype(jnp.dtype(dtype))
+    rec = quant.as_recipe(recipe)
+    if isinstance(params, nnx.State):
+        flat = dict(nnx.to_flat_state(params))
+        nm = hf.name_map(cfg, params)
+        get = lambda name: flat[nm[name][0]].get_value()  # noqa: E731  opdjax layout
+        in_hf_layout = False
+    else:
+        nm = hf.name_map(cfg)
+        missing = [n for n in nm if n not in params]
+        if missing:
+            from opdjax.bridge.manifest import BridgeError
+
+            raise BridgeError(f"publish: missing tensor(s) {missing[:5]} for a {cfg.model_type} model with "
+                              f"{cfg.num_layers} layers")
+        get = lambda name: params[name]  # noqa: E731  HF layout
+        in_hf_layout = True
+    for name, (_, t) in nm.items():
+        x = _cast(_gathered(get(name)), dt)
+        spec = _weight_spec(rec, name, np.ndim(x))
+        if spec is None:
+            yield name, (x.T if (t == "T" and not in_hf_layout) else x), {}
+            continue
+        x_io = x.T if (t == "T" and in_hf_layout) else x  # quantizers work on opdjax's [in, out]
+        q, s = quant.quantize_named(rec, {name: x_io})[name]
+        meta = spec.to_dict()
+        if spec.granularity == "block":
+            meta["block"] = [spec.block[1], spec.block[0]]
+        yield name, q.T, {"quant": meta}
+        yield name + "_scale", (s.T if s.ndim == 2 else s), {"scale_of": name}
+
+
+def prepare(cfg: ModelConfig, params: nnx.State | Mapping[str, Any], version: int, *, dtype: Any = "bfloat16",
+            recipe: quant.Recipe | str | None = None, checksums: bool = True) -> tuple[Manifest, list[Any]]:
+    """(manifest, arrays in payload order) of one publish. checksums=False skips the CRC-32s (in-process)."""
+    triples = list(hf_stream(cfg, params, dtype=dtype, recipe=recipe))
+    rec = quant.as_recipe(recipe)
+    if checksums:
+        triples = [(n, np.asarray(a), e) for n, a, e in triples]
+    manifest = build_manifest(version, cfg.model_type, jnp.dtype(dtype), triples,
+                              recipe=None if rec.is_noop else rec.name, checksums=checksums)
+    return manifest, [a for _, a, _ in triples]
+
+
+class Publisher:
+    """Publishes learner weights through one transport: `publish(params, version)` -> the manifest sent.
+
+    Every JAX process must call `publish` (sharded params are gathered); only process 0 sends.
+    """
+
+    def __init__(self, cfg: ModelConfig, transport, *, dtype: Any = "bfloat16",
+                 recipe: quant.Recipe | str | None = None):
+        self.cfg = cfg
+        self.transport = transport
+        self.dtype = jnp.dtype(dtype)
+        self.recipe = quant.as_recipe(recipe)
+        self.last_stats: dict[str, Any] = {}
+
+    def publish(self, params: nnx.State | Mapping[str, Any], version: int) -> Manifest | None:
+        import time
+
+        t0 = time.perf_counter()
+        manifest, arrays = prepare(self.cfg, params, version, dtype=self.dtype, recipe=self.recipe,
+                                   checksums=getattr(self.transport, "needs_checksums", True))
+        if jax.process_index() != 0:
+            return None
+        t1 = time.perf_counter()
+        self.transport.send(manifest, arrays)
+        t2 = time.perf_counter()
+        self.last_stats = {"prepare_s": t1 - t0, "send_s": t2 - t1, "bytes": manifest.total_bytes}
+        return manifest

@@ -1,0 +1,352 @@
+"""vLLM as the rollout engine (`VllmEngine`) and as the teacher (`VllmTeacher`).
+
+`VllmEngine` builds one `vllm.LLM` (in-process by default: VLLM_ENABLE_V1_MULTIPROCESSING=0 unless already set),
+works on token ids only (no tokenizer), and returns the same `RolloutBatch` as the embedded `JaxEngine`: prompts
+left-padded to P = ceil8(max prompt length), then max_new_tokens completion slots (pad after a stop). The engine
+runs with `logprobs_mode="processed_logprobs"`, so `rollout_logp_BL` holds each sampled token's log-prob after
+temperature / top-k / top-p (greedy, temperature 0: the log-softmax at temperature 1); `version_B` is the weight
+version vLLM tagged each output with (`set_weight_version`).
+
+Weights: `update_weights(named_arrays, version)` publishes HF-named, HF-layout arrays through the bridge's
+in-process transport (validated against the model's `ModelSpec` before anything is touched; JAX arrays reach
+torch through DLPack), applies them with `collective_rpc("reload_weights", weights_iterator=...)`, resets the prefix
+cache (cached prompt KV of the old weights must not serve new rollouts) and tags outputs with the new version.
+`self.receiver` is the engine's `WeightReceiver`, for the snapshot and TCP transports.
+
+`score(tokens_BL, valid_BL, top_k=k)` uses prompt log-probs (`SamplingParams(max_tokens=1, prompt_logprobs=k)`):
+the log-prob of each given token and the k most likely tokens, at temperature 1 (vLLM's prompt log-probs do not
+apply a temperature).
+
+FP8: `kv_cache_dtype="fp8"` (or fp8_e4m3 / fp8_e5m2) works on CPU; FP8 weights (`quantization="fp8"`) are GPU-only
+in vLLM. With `quantization="fp8"` and a `recipe`, the recipe's high-precision linear modules are passed to vLLM as
+the FP8 config's ignored layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import threading
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from opdjax.bridge import InProcessTransport, ModelSpec, Publisher, WeightReceiver
+from opdjax.models.config import ModelConfig
+from opdjax.rollout.base import RolloutBatch, SamplingParams
+from opdjax.rollout.jax_engine import bucket_len
+
+__all__ = ["VllmEngine", "VllmTeacher", "import_vllm", "to_torch"]
+
+DEFAULT_KV_CACHE_BYTES = 256 << 20
+
+
+def import_vllm():
+    """Import vllm with in-process engine defaults (set before the import; explicit settings win)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+
+    return vllm
+
+
+def to_torch(a: Any):
+    """A torch CPU tensor sharing memory with `a` where possible (JAX via DLPack; numpy incl. bf16/fp8 views)."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return a
+    try:
+        import jax
+
+        if isinstance(a, jax.Array):
+            try:
+                return torch.from_dlpack(a)
+            except (RuntimeError, TypeError, BufferError, ValueError):
+                a = np.asarray(a)
+    except ImportError:
+        pass
+    a = np.asarray(a)
+    special = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+    if a.dtype.name in special:
+        view = np.uint16 if a.dtype.itemsize == 2 else np.uint8
+        return torch.from_numpy(np.ascontiguousarray(a).view(view)).view(special[a.dtype.name])
+    if not a.flags.writeable:  # torch warns on read-only buffers (memory-mapped snapshots); it never writes here
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(a)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _np_dtype(dtype: Any) -> np.dtype:
+    import jax.numpy as jnp
+
+    return np.dtype(jnp.dtype(str(dtype).replace("torch.", "")))
+
+
+class VllmEngine:
+    """A `RolloutEngine` backed by vllm.LLM (see the module docstring).
+
+    model_path            HF checkpoint directory (config.json + safetensors); served as version 0
+    dtype                 vLLM model dtype ("float32", "bfloat16")
+    seed                  engine seed; per-request seeds derive from generate's `seed` and the row index
+    kv_cache_dtype        "auto" | "fp8" | "fp8_e4m3" | "fp8_e5m2"
+    kv_cache_memory_bytes KV cache bound (always set: vLLM would otherwise take a share of RAM)
+    max_model_len         longest prompt + completion (default min(config, 2048))
+    enable_prefix_caching on by default (the prefix cache is reset after every weight update)
+    quantization, recipe  vLLM quantization (GPU "fp8") and an opdjax recipe naming high-precision layers
+    pad_id, eos_id        default to the config's; eos_id always stops a row (like sampling.stop_token_ids)
+    **llm_kwargs          passed to vllm.LLM as they are
+    """
+
+    name = "vllm"
+
+    def __init__(self, model_path: str | pathlib.Path, *, dtype: str = "float32", seed: int = 0,
+                 kv_cache_dtype: str = "auto", kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES,
+                 max_model_len: int | None = None, max_num_seqs: int = 64, enable_prefix_caching: bool = True,
+                 quantization: str | None = None, recipe: Any = None, enforce_eager: bool = True,
+                 pad_id: int | None = None, eos_id: int | None = None, max_logprobs: int = 64,
+                 **llm_kwargs):
+        vllm = import_vllm()
+        self.model_path = str(model_path)
+        self.cfg = ModelConfig.from_dir(model_path)
+        self.dtype = str(dtype)
+        self.np_dtype = _np_dtype(self.dtype)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.pad_id = int(pad_id if pad_id is not None else (self.cfg.pad_token_id or 0))
+        self.eos_id = eos_id if eos_id is not None else self.cfg.eos_token_id
+        self.max_logprobs = int(max_logprobs)
+        kw: dict[str, Any] = dict(
+            model=self.model_path, dtype=self.dtype, seed=int(seed), kv_cache_dtype=kv_cache_dtype,
+            kv_cache_memory_bytes=int(kv_cache_memory_bytes),
+            max_model_len=int(max_model_len or min(self.cfg.max_position_embeddings, 2048)),
+            max_num_seqs=int(max_num_seqs), enable_prefix_caching=bool(enable_prefix_caching),
+            logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enforce_eager=bool(enforce_eager),
+            max_logprobs=self.max_logprobs)
+        if quantization is not None:
+            kw["quantization"] = quantization
+            if quantization == "fp8" and recipe is not None:
+                kw.setdefault("hf_overrides", {})["quantization_config"] = {
+                    "quant_method": "fp8", "activation_scheme": "dynamic", "is_checkpoint_fp8_serialized": False,
+                    "ignored_layers": self._high_precision_modules(recipe)}
+        kw.update(llm_kwargs)
+        self.llm_kwargs = kw
+        self.llm = vllm.LLM(**kw)
+        self._lock = threading.RLock()
+        self._version = 0
+        self.llm.llm_engine.set_weight_version("0")
+        self.spec = ModelSpec.from_config(self.cfg, self.np_dtype)
+        self.receiver = WeightReceiver(self, self.spec, name="vllm engine")
+        self._publisher = Publisher(self.cfg, InProcessTransport(self.receiver), dtype=self.np_dtype)
+        self.last_stats: dict[str, Any] = {}
+
+    def _high_precision_modules(self, recipe) -> list[str]:
+        from opdjax import quant
+        from opdjax.models import hf
+
+        rec = quant.as_recipe(recipe)
+        mods = [n[:-len(".weight")] for n in hf.name_map(self.cfg) if n.endswith("_proj.weight")]
+        return [m for m in mods if quant.module_spec(rec, m) is None]
+
+    @classmethod
+    def from_pretrained(cls, path, **kw) -> "VllmEngine":
+        return cls(path, **kw)
+
+    # -- weights -------------------------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def update_weights(self, named_arrays: Mapping[str, Any], version: int) -> None:
+        """Publish HF-named HF-layout arrays as `version` (cast to the engine dtype); all or nothing.
+
+        Raises `BridgeError` (a ValueError) naming the bad tensor on a wrong name, shape or missing tensor; the
+        engine then keeps serving its previous version.
+        """
+        ignorable = {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
+        unknown = sorted(n for n in set(named_arrays) - set(self.spec.shapes) - ignorable
+                         if not n.endswith("rotary_emb.inv_freq"))
+        if unknown:  # the stream walks the model's table; report extra tensors here, as the receiver would
+            raise self.receiver.refuse(f"manifest v{int(version)} rejected: unknown tensor(s) {unknown[:5]}")
+        bad = [(n, tuple(np.shape(a))) for n, a in named_arrays.items()
+               if n in self.spec.shapes and tuple(np.shape(a)) != self.spec.shapes[n]]
+        if bad:
+            n, s = bad[0]
+            raise self.receiver.refuse(f"manifest v{int(version)} rejected: tensor {n!r} has shape {s}, "
+                                       f"expected {self.spec.shapes[n]}")
+        self._publisher.publish(named_arrays, int(version))
+
+    def apply_weights(self, named: Iterable[tuple[str, Any]], version: int) -> None:
+        """Receiver target: load validated HF-named tensors with reload_weights, reset the prefix cache, tag."""
+        import time
+
+        t0 = time.perf_counter()
+        tensors = [(n, to_torch(a)) for n, a in named]
+        with self._lock:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors,
+                                                              "is_checkpoint_format": True})
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache after the weight update")
+            self.llm.llm_engine.set_weight_version(str(int(version)))
+            self._version = int(version)
+        self.last_stats = {"reload_s": time.perf_counter() - t0}
+
+    # -- generation ----------------------------------------------------------------------------------------------
+    def _check_ids(self, what: str, ids: np.ndarray) -> None:
+        V = self.cfg.vocab_size
+        if ids.size and (ids.min() < 0 or ids.max() >= V):
+            bad = ids[(ids < 0) | (ids >= V)][0]
+            raise ValueError(f"{what}: token id {int(bad)} is outside the vocabulary [0, {V})")
+
+    def _vllm_sampling(self, sampling: SamplingParams, seed: int | None):
+        vllm = import_vllm()
+        stop = sorted(set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set()))
+        return vllm.SamplingParams(
+            n=1, max_tokens=sampling.max_new_tokens, temperature=float(sampling.temperature),
+            top_k=int(sampling.top_k), top_p=float(sampling.top_p), stop_token_ids=stop, logprobs=0, seed=seed,
+            detokenize=False, ignore_eos=False)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> RolloutBatch:
+        """Sample one completion per prompt (layout as JaxEngine: left-padded prompts, then completions)."""
+        vllm = import_vllm()
+        from vllm.inputs import TokensPrompt
+
+        if len(prompts) == 0:
+            raise ValueError("generate: no prompts")
+        n = len(prompts)
+        lens = [len(p) for p in prompts]
+        if min(lens) == 0:
+            raise ValueError(f"generate: prompt {lens.index(0)} is empty; every prompt needs at least one token")
+        P, N = bucket_len(max(lens)), sampling.max_new_tokens
+        reqs, params = [], []
+        for j, p in enumerate(prompts):
+            ids = np.asarray(p, np.int64)
+            self._check_ids(f"generate: prompt {j}", ids)
+            reqs.append(TokensPrompt(prompt_token_ids=[int(t) for t in ids]))
+            row_seed = (int(seed) * 1_000_003 + j) & 0x7FFFFFFF
+            params.append(self._vllm_sampling(sampling, row_seed))
+        with self._lock:
+            outs = self.llm.generate(reqs, params, use_tqdm=False)
+            served = self._version
+        tokens = np.full((n, P + N), self.pad_id, np.int32)
+        valid = np.zeros((n, P + N), bool)
+        comp = np.zeros((n, P + N), bool)
+        logp = np.zeros((n, P + N), np.float32)
+        version = np.full((n,), served, np.int64)
+        cached = np.zeros((n,), np.int64)
+        for j, (p, out) in enumerate(zip(prompts, outs)):
+            tokens[j, P - len(p):P] = np.asarray(p)
+            valid[j, P - len(p):P] = True
+            o = out.outputs[0]
+            ids = list(o.token_ids)[:N]
+            k = len(ids)
+            tokens[j, P:P + k] = ids
+            valid[j, P:P + k] = True
+            comp[j, P:P + k] = True
+            if o.logprobs is None or len(o.logprobs) < k:
+                raise RuntimeError(f"vLLM returned no sampled-token logprobs for row {j}")
+            logp[j, P:P + k] = [o.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
+            cached[j] = getattr(out, "num_cached_tokens", 0) or 0
+            spans = getattr(o, "weight_versions", None)
+            if spans:
+                version[j] = min(int(s.version) for s in spans)
+        return RolloutBatch(
+            tokens_BL=tokens, valid_BL=valid, completion_mask_BL=comp, rollout_logp_BL=logp, version_B=version,
+            prompt_index_B=np.arange(n, dtype=np.int64),
+            meta={"engine": self.name, "sampling": dataclasses.asdict(sampling), "seed": int(seed),
+                  "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype, "version": int(version.min()),
+                  "prompt_len": P, "num_cached_tokens_B": cached, "vllm": vllm.__version__})
+
+    # -- scoring -------------------------------------------------------------------------------------------------
+    def score(self, tokens_BL: np.ndarray, valid_BL: np.ndarray, *, temperature: float = 1.0,
+              top_k: int = 0) -> dict[str, Any]:
+        """Log-probs of given tokens under the served weights (JaxEngine.score's layout), via prompt logprobs.
+
+        logp_BL[b, l] = log softmax(logits[b, l-1])[tokens[b, l]] where valid[b, l] and valid[b, l-1], else 0;
+        top_k > 0 adds topk_ids_BLK / topk_logp_BLK (most likely first). Each row's valid tokens must be one
+        contiguous run. Only temperature 1 is supported (vLLM's prompt log-probs ignore temperature).
+        """
+        from vllm.inputs import TokensPrompt
+
+        vllm = import_vllm()
+        if temperature != 1.0:
+            raise ValueError(f"VllmEngine.score: temperature must be 1.0 (vLLM prompt logprobs are not "
+                             f"temperature-scaled), got {temperature}")
+        if top_k < 0 or top_k > self.max_logprobs:
+            raise ValueError(f"score: top_k must be in [0, max_logprobs={self.max_logprobs}], got {top_k}")
+        tokens_BL, valid_BL = np.asarray(tokens_BL), np.asarray(valid_BL, bool)
+        if tokens_BL.ndim != 2 or tokens_BL.shape != valid_BL.shape:
+            raise ValueError(f"score: tokens_BL {tokens_BL.shape} and valid_BL {valid_BL.shape} must be equal 2-D")
+        self._check_ids("score: tokens_BL", np.where(valid_BL, tokens_BL, 0))
+        B, L = tokens_BL.shape
+        reqs, starts = [], []
+        for b in range(B):
+            idx = np.flatnonzero(valid_BL[b])
+            if idx.size == 0:
+                starts.append(None)
+                continue
+            if idx[-1] - idx[0] + 1 != idx.size:
+                raise ValueError(f"score: row {b} has non-contiguous valid tokens; expected one contiguous run")
+            starts.append(int(idx[0]))
+            reqs.append(TokensPrompt(prompt_token_ids=[int(t) for t in tokens_BL[b, idx]]))
+        sp = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=int(top_k), detokenize=False)
+        with self._lock:
+            outs = self.llm.generate(reqs, sp, use_tqdm=False) if reqs else []
+            served = self._version
+        logp = np.zeros((B, L), np.float32)
+        ids = np.zeros((B, L, top_k), np.int32)
+        tlp = np.zeros((B, L, top_k), np.float32)
+        it = iter(outs)
+        for b, s in enumerate(starts):
+            if s is None:
+                continue
+            out = next(it)
+            seq = out.prompt_token_ids
+            for i in range(1, len(seq)):
+                d = out.prompt_logprobs[i]
+                logp[b, s + i] = d[seq[i]].logprob
+                if top_k:
+                    best = sorted(((lp.rank, tok, lp.logprob) for tok, lp in d.items() if lp.rank <= top_k))[:top_k]
+                    for k, (_, tok, lpv) in enumerate(best):
+                        ids[b, s + i, k], tlp[b, s + i, k] = tok, lpv
+        res: dict[str, Any] = {"logp_BL": logp, "version": served}
+        if top_k:
+            res["topk_ids_BLK"], res["topk_logp_BLK"] = ids, tlp
+        return res
+
+
+class VllmTeacher:
+    """A fixed teacher served by vLLM, scoring through prompt log-probs (`JaxTeacher.score`'s protocol).
+
+    Provides teacher_logp and teacher_topk; full teacher logits are not available from vLLM.
+    """
+
+    def __init__(self, model_path: str | pathlib.Path, *, dtype: str = "float32", **engine_kw):
+        self.engine = VllmEngine(model_path, dtype=dtype, **engine_kw)
+        self.cfg = self.engine.cfg
+
+    @classmethod
+    def from_engine(cls, engine: VllmEngine) -> "VllmTeacher":
+        """A teacher scoring with an existing engine (one vLLM instance for both roles)."""
+        self = cls.__new__(cls)
+        self.engine, self.cfg = engine, engine.cfg
+        return self
+
+    def score(self, tokens_BL: np.ndarray, valid_BL: np.ndarray, needs: frozenset[str] = frozenset({"teacher_logp"}),
+              top_k: int = 16) -> dict[str, np.ndarray]:
+        if "teacher_logits" in needs:
+            raise ValueError("VllmTeacher cannot provide full teacher logits (needs 'teacher_logits'); use "
+                             "teacher.engine=jax or a loss that needs only teacher_logp / teacher_topk")
+        if np.max(np.where(valid_BL, tokens_BL, 0), initial=0) >= self.cfg.vocab_size:
+            from opdjax.teacher import VocabMismatchError
+
+            raise VocabMismatchError(f"token id {int(np.max(tokens_BL))} is outside the teacher's vocabulary "
+                                     f"(vocab_size={self.cfg.vocab_size})")
+        k = top_k if "teacher_topk" in needs else 0
+        s = self.engine.score(tokens_BL, valid_BL, top_k=k)
+        out = {"teacher_logp_BL": s["logp_BL"]}
+        if k:
+            out["teacher_topk_ids_BLK"], out["teacher_topk_logp_BLK"] = s["topk_ids_BLK"], s["topk_logp_BLK"]
+        return out

@@ -1,0 +1,144 @@
+"""Manifests, the learner-side stream and receiver validation, with an in-memory receiver double (no vLLM)."""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from opdjax import quant
+from opdjax.bridge import (ArrayTarget, BridgeError, InProcessTransport, Manifest, ModelSpec, Publisher,
+                           WeightReceiver, hf_stream, prepare, validate)
+from opdjax.models import decoder, hf
+from opdjax.models.tiny import tiny_config
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return tiny_config("qwen3", "tiny", vocab_size=320)
+
+
+@pytest.fixture(scope="module")
+def params(cfg):
+    return nnx.state(decoder.create(cfg, seed=3))
+
+
+def _receiver(cfg, dtype="float32", version=0):
+    target = ArrayTarget(version)
+    return target, WeightReceiver(target, ModelSpec.from_config(cfg, dtype))
+
+
+def test_stream_is_layer_ordered_hf_layout_and_matches_named_params(cfg, params):
+    names = [n for n, _, _ in hf_stream(cfg, params, dtype="float32")]
+    assert names == list(hf.name_map(cfg))  # the HF interop table, in layer order
+    layers = [int(n.split(".")[2]) for n in names if n.startswith("model.layers.")]
+    assert layers == sorted(layers)
+    ref = hf.named_params(cfg, params)
+    for n, a, extra in hf_stream(cfg, params, dtype="float32"):
+        assert extra == {}
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(ref[n]))
+
+
+def test_bf16_stream_rounds_like_the_learner_cast(cfg, params):
+    ref = hf.named_params(cfg, params)
+    for n, a, _ in hf_stream(cfg, ref, dtype="bfloat16"):  # HF-named input works too
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
+                                      np.asarray(ref[n]).astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_w8a8", "fp8_w8a8_channel", "fp8_block128"])
+def test_prequantized_fp8_dequantizes_to_the_simulated_weights_bit_for_bit(cfg, params, recipe):
+    target, rx = _receiver(cfg, "float32")
+    Publisher(cfg, InProcessTransport(rx), dtype="float32", recipe=recipe).publish(params, 1)
+    sim = quant.apply_to_named(quant.get_recipe(recipe), hf.named_params(cfg, params, hf_layout=False))
+    nm = hf.name_map(cfg)
+    for n, w in sim.items():
+        want = np.asarray(w).T if nm[n][1] == "T" else np.asarray(w)
+        np.testing.assert_array_equal(target.weights[n], want, err_msg=n)
+    m, _ = prepare(cfg, params, 1, dtype="float32", recipe=recipe)
+    q = [e for e in m.entries if e.quant]
+    assert q and all(e.dtype == "F8_E4M3" for e in q)
+    assert all(m.entries[i + 1].scale_of == e.name for i, e in enumerate(m.entries) if e.quant)
+
+
+def test_manifest_json_round_trip_and_checksums(cfg, params):
+    m, arrays = prepare(cfg, params, 7, dtype="bfloat16")
+    m2 = Manifest.from_json(m.to_json())
+    assert m2 == m and m2.version == 7 and m2.dtype == "BF16"
+    assert all(e.crc32 is not None for e in m.entries)
+    assert m.total_bytes == sum(np.asarray(a).nbytes for a in arrays)
+    with pytest.raises(BridgeError, match="format"):
+        Manifest.from_json('{"format": "other", "version": 1}')
+    with pytest.raises(BridgeError, match="JSON"):
+        Manifest.from_json(b"\xff{not json")
+
+
+def _edit(m: Manifest, which: str, **changes) -> Manifest:
+    import dataclasses
+
+    entries = tuple(dataclasses.replace(e, **changes) if e.name == which else e for e in m.entries)
+    return dataclasses.replace(m, entries=entries)
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("shape", r"tensor 'model.norm.weight' has shape \(65,\), expected \(64,\)"),
+    ("unknown", r"unknown tensor 'lm_head.bias'"),
+    ("dtype", r"tensor 'model.layers.0.mlp.up_proj.weight' has dtype F16, expected F32"),
+    ("missing", r"missing tensor\(s\) \['model.layers.1.mlp.down_proj.weight'\]"),
+    ("family", r"model_type 'llama' but the engine serves 'qwen3'"),
+])
+def test_bad_manifest_is_refused_before_anything_is_touched(cfg, params, case, pattern):
+    import dataclasses
+
+    target, rx = _receiver(cfg, "float32", version=1)
+    m, arrays = prepare(cfg, params, 2, dtype="float32")
+    if case == "shape":
+        m = _edit(m, "model.norm.weight", shape=(65,), nbytes=65 * 4)
+    elif case == "unknown":
+        m = _edit(m, "lm_head.weight", name="lm_head.bias")
+    elif case == "dtype":
+        m = _edit(m, "model.layers.0.mlp.up_proj.weight", dtype="F16",
+                  nbytes=m.entries[[e.name for e in m.entries].index("model.layers.0.mlp.up_proj.weight")].nbytes // 2)
+    elif case == "missing":
+        m = dataclasses.replace(m, entries=tuple(e for e in m.entries
+                                                 if e.name != "model.layers.1.mlp.down_proj.weight"))
+    elif case == "family":
+        m = dataclasses.replace(m, model_type="llama")
+    with pytest.raises(BridgeError, match=pattern) as info:
+        rx.receive(m, arrays)
+    assert str(info.value).startswith("manifest v2 rejected: ") and "keeps serving v1" in str(info.value)
+    assert target.applied == [] and target.version == 1
+    assert rx.refusals and "rejected" in rx.refusals[-1]
+
+
+def test_payload_that_disagrees_with_its_checksum_is_refused(cfg, params):
+    target, rx = _receiver(cfg, "float32", version=4)
+    m, arrays = prepare(cfg, params, 5, dtype="float32")
+    arrays = [np.array(a) for a in arrays]
+    arrays[3].reshape(-1)[0] += 1.0  # one flipped value
+    with pytest.raises(BridgeError, match=f"checksum mismatch on tensor '{m.entries[3].name}'.*keeps serving v4"):
+        rx.receive(m, arrays)
+    assert target.applied == []
+
+
+def test_failing_target_is_reported_and_version_kept(cfg, params):
+    class Exploding(ArrayTarget):
+        def apply_weights(self, named, version):
+            raise RuntimeError("device lost")
+
+    target = Exploding(3)
+    rx = WeightReceiver(target, ModelSpec.from_config(cfg, "float32"))
+    m, arrays = prepare(cfg, params, 4, dtype="float32")
+    with pytest.raises(BridgeError, match="applying the update failed.*device lost.*keeps serving v3"):
+        rx.receive(m, arrays)
+
+
+def test_validate_accepts_a_good_manifest_and_spec_lists_every_tensor(cfg, params):
+    spec = ModelSpec.from_config(cfg, "bfloat16")
+    m, _ = prepare(cfg, params, 1, dtype="bfloat16")
+    validate(m, spec)
+    assert list(spec.shapes) == list(hf.name_map(cfg))
+    assert spec.shapes["model.layers.0.mlp.up_proj.weight"] == (cfg.intermediate_size, cfg.hidden_size)
+    with pytest.raises(BridgeError, match="dtype BF16, expected F32"):
+        validate(m, ModelSpec.from_config(cfg, "float32"))

@@ -1,0 +1,53 @@
+"""Config loading: defaults, YAML, overrides, and clear errors for bad keys and values."""
+
+import pytest
+
+from opdjax.cli import main
+from opdjax.config import ConfigError, TrainConfig, dump_yaml, load
+
+
+def test_shipped_yaml_equals_embedded_defaults():
+    assert load(TrainConfig, "configs/tiny_cpu.yaml") == load(TrainConfig)
+    assert dump_yaml(load(TrainConfig)) == open("configs/tiny_cpu.yaml").read()
+
+
+def test_overrides_and_shortcuts(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  temperature: 0.7\npipeline:\n  steps: 3\n")
+    cfg = load(TrainConfig, p, ["pipeline.steps=5", "student=/some/dir", "teacher.engine=jax", "optim.lr=1e-3",
+                               "mesh.shape=[2,2,2]", "loss.options={discount: 0.9}", "prompts=/x.jsonl"])
+    assert cfg.rollout.temperature == 0.7 and cfg.pipeline.steps == 5
+    assert cfg.student.path == "/some/dir" and cfg.teacher.path == "builtin"
+    assert cfg.optim.lr == 1e-3 and cfg.mesh.shape == (2, 2, 2) and cfg.loss.options == {"discount": 0.9}
+    assert cfg.task.name == "jsonl" and cfg.task.options["path"] == "/x.jsonl"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.temprature=1", r"unknown key 'rollout.temprature' \(did you mean 'rollout.temperature'\?\)"),
+    ("bogus=1", "unknown key 'bogus'; valid keys at top level: prompts, seed, student"),
+    ("rollout.engine=sglang", r"rollout.engine='sglang' is not valid; choose one of \['jax', 'vllm'\]"),
+    ("rollout.batch_size=many", "rollout.batch_size='many' has the wrong type: expected int"),
+    ("loss.name=kl", "loss.name='kl' is not valid; choose one of"),
+    ("loss.correction=tis", "loss.correction='tis' is not valid; choose one of"),
+    ("rollout.recipe=fp4", "rollout.recipe='fp4' is not valid"),
+    ("optim.lr=-1", "optim.lr must be > 0"),
+    ("rollout.top_p=0", r"rollout.top_p must be in \(0, 1\]"),
+    ("pipeline.mode=sometimes", "pipeline.mode='sometimes' is not valid"),
+    ("steps", "must look like key=value"),
+])
+def test_bad_config_is_a_clear_error(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load(TrainConfig, None, [override])
+
+
+def test_cli_reports_config_errors_with_exit_code_2(capsys):
+    assert main(["train", "rollout.temprature=1"]) == 2
+    assert "did you mean 'rollout.temperature'" in capsys.readouterr().err
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(TrainConfig, tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load(TrainConfig, tmp_path / "list.yaml")

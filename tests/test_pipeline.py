@@ -1,0 +1,104 @@
+"""The OPD loop end to end on tiny random models: sync, async, resume, losses that need different teacher data."""
+
+import json
+
+import numpy as np
+import pytest
+
+from opdjax import pipeline
+from opdjax.config import TrainConfig, load
+from opdjax.learner import latest_step
+from opdjax.models import load_state
+from opdjax.models.tiny import load_tokenizer, make_tiny
+from opdjax.teacher import VocabMismatchError
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    student = make_tiny(root / "student", "qwen3", "tiny", seed=1, corpus=["12+34=46", "7+8=15"])
+    tok = load_tokenizer(student)
+    teacher = make_tiny(root / "teacher", "qwen3", "tiny", seed=2, tokenizer=tok)
+    return str(student), str(teacher)
+
+
+def _cfg(pair, tmp_path, *extra):
+    return load(TrainConfig, None, [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}",
+                                    "rollout.batch_size=8", "rollout.max_new_tokens=4", "pipeline.steps=4",
+                                    "pipeline.eval_every=2", "pipeline.eval_prompts=8", "pipeline.progress=false",
+                                    "pipeline.tensorboard=false", f"pipeline.out_dir={tmp_path / 'run'}", *extra])
+
+
+def _lines(tmp_path):
+    return [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sync_run_logs_mismatch_and_teacher_kl_every_step(pair, tmp_path):
+    summary = pipeline.train(_cfg(pair, tmp_path), log=lambda s: None)
+    assert summary["steps"] == 4
+    lines = _lines(tmp_path)
+    steps = [x for x in lines if "loss" in x]
+    assert [x["step"] for x in steps] == [1, 2, 3, 4]
+    for x in steps:
+        assert {"teacher_kl", "grad_norm", "mismatch/k3", "mismatch/k1", "mismatch/abs_log_ratio_p95"} <= set(x)
+        assert x["staleness"] == 0
+        # Same f32 weights, same forward: the embedded engine and the learner agree to float rounding.
+        assert abs(x["mismatch/k3"]) < 1e-6
+    assert {"eval/reverse_kl", "eval/accuracy"} <= set(lines[0])
+    assert (tmp_path / "run" / "student_final" / "model.safetensors").is_file()
+    assert latest_step(tmp_path / "run" / "checkpoints") == 4
+
+
+def test_simulated_fp8_engine_shows_mismatch(pair, tmp_path):
+    pipeline.train(_cfg(pair, tmp_path, "rollout.recipe=fp8_w8a8_kv", "pipeline.steps=2", "loss.correction=token_tis"),
+                   log=lambda s: None)
+    steps = [x for x in _lines(tmp_path) if "loss" in x]
+    assert all(x["mismatch/k3"] > 0 for x in steps)
+    assert all("corr/is_frac_capped" in x for x in steps)
+
+
+def test_resume_continues_exactly_where_the_run_stopped(pair, tmp_path):
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    pipeline.train(_cfg(pair, straight), log=lambda s: None)
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    pipeline.train(_cfg(pair, resumed, "pipeline.steps=2"), log=lambda s: None)
+    pipeline.train(_cfg(pair, resumed, "pipeline.resume=true"), log=lambda s: None)
+    a = load_state(straight / "run" / "student_final")[1]
+    b = load_state(resumed / "run" / "student_final")[1]
+    import jax
+
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    la = [x["loss"] for x in _lines(straight) if "loss" in x]
+    lb = [x["loss"] for x in _lines(resumed) if "loss" in x]
+    assert la == lb
+
+
+def test_async_drops_stale_rollouts_and_counts_them(pair, tmp_path):
+    cfg = _cfg(pair, tmp_path, "pipeline.mode=async", "pipeline.max_staleness=0", "pipeline.queue_size=2",
+               "pipeline.steps=3")
+    summary = pipeline.train(cfg, log=lambda s: None)
+    steps = [x for x in _lines(tmp_path) if "loss" in x]
+    assert len(steps) == 3 and all(x["staleness"] == 0 for x in steps)
+    assert summary["dropped_rollouts"] == steps[-1]["dropped"] >= 1
+
+
+@pytest.mark.parametrize("loss", ["forward_kl_topk", "jsd", "reinforce"])
+def test_losses_get_the_teacher_data_they_declare(pair, tmp_path, loss):
+    extra = ["rollout.samples_per_prompt=2"] if loss == "reinforce" else []
+    pipeline.train(_cfg(pair, tmp_path, f"loss.name={loss}", "pipeline.steps=1", *extra), log=lambda s: None)
+    (step,) = [x for x in _lines(tmp_path) if "loss" in x]
+    assert np.isfinite(step["loss"])
+    if loss == "reinforce":
+        assert "reward_mean" in step
+    else:
+        assert "teacher_kl" in step
+
+
+def test_student_and_teacher_vocabularies_must_agree(pair, tmp_path):
+    other = make_tiny(tmp_path / "other", "qwen3", "tiny", corpus=["completely different text " * 50],
+                      tokenizer_vocab=400)
+    with pytest.raises(VocabMismatchError, match="vocab"):
+        pipeline.train(_cfg(pair, tmp_path, f"teacher={other}"), log=lambda s: None)
