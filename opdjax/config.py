@@ -45,25 +45,37 @@ class TaskConfig:
 
 @dataclasses.dataclass
 class PrepareConfig:
-    """How the built-in teacher and student are made when `student`/`teacher` are "builtin"."""
+    """How the built-in teacher and student are made when `student`/`teacher` are "builtin".
+
+    The teacher is trained on the task until accurate. The default student starts from the teacher and is then
+    fine-tuned on another task (`student_task`) until it has forgotten the main one — the capability-recovery
+    setting OPD is used for after mid-training. `student_init=scratch` instead trains a fresh `student_size`
+    model on the main task for `student_steps`.
+    """
 
     family: str = "qwen3"
     teacher_size: str = "small"
-    student_size: str = "small"
-    teacher_steps: int = 1500        # supervised steps on the task until the teacher is accurate
-    student_steps: int = 400         # fewer steps: a weaker student that knows the format
+    teacher_steps: int = 1500        # supervised steps on the task (held-out greedy accuracy ~0.95)
+    student_init: str = "teacher"    # teacher | scratch
+    student_task: str = "sort"       # student_init=teacher: the task it is fine-tuned on (and forgets addition)
+    student_size: str = "small"      # student_init=scratch only
+    student_steps: int = 100
+    student_lr: float = 1e-3
     batch_size: int = 64
     lr: float = 3e-3
     seed: int = 0
     cache_dir: str = ".opdjax_cache"  # reused across runs; keyed by every field above and the task
 
     def validate(self):
-        _choice("prepare", "family", self.family, {"llama", "qwen2", "qwen3"})
+        from opdjax import tasks
         from opdjax.models.tiny import SIZES
 
+        _choice("prepare", "family", self.family, {"llama", "qwen2", "qwen3"})
         _choice("prepare", "teacher_size", self.teacher_size, SIZES)
         _choice("prepare", "student_size", self.student_size, SIZES)
-        for k in ("teacher_steps", "batch_size"):
+        _choice("prepare", "student_init", self.student_init, {"teacher", "scratch"})
+        _choice("prepare", "student_task", self.student_task, set(tasks.TASKS) - {"jsonl"})
+        for k in ("teacher_steps", "batch_size", "lr", "student_lr"):
             _positive("prepare", k, getattr(self, k))
         _positive("prepare", "student_steps", self.student_steps, zero_ok=True)
 
@@ -127,7 +139,7 @@ class TeacherConfig:
 @dataclasses.dataclass
 class LossConfig:
     name: str = "reverse_kl_sampled"
-    options: dict = dataclasses.field(default_factory=dict)   # e.g. {discount: 0.9} or {beta: 0.5}
+    options: dict = dataclasses.field(default_factory=lambda: {"baseline": "batch"})  # loss kwargs, e.g. discount
     correction: str = "none"         # none | token_tis | seq_tis | token_mis | seq_mis | geo_reject | k3_reject ...
     correction_options: dict = dataclasses.field(default_factory=dict)  # cap, low, high, threshold, normalize
 
@@ -143,7 +155,7 @@ class LossConfig:
 
 @dataclasses.dataclass
 class OptimConfig:
-    lr: float = 2e-4
+    lr: float = 3e-4
     schedule: str = "constant"       # constant | cosine | linear
     warmup_steps: int = 5
     grad_clip: float = 1.0
@@ -160,11 +172,11 @@ class OptimConfig:
 
 @dataclasses.dataclass
 class PipelineConfig:
-    steps: int = 60
+    steps: int = 300
     mode: str = "sync"               # sync | async
     max_staleness: int = 1           # async: drop rollouts older than this many versions
     queue_size: int = 2              # async: rollouts the engine may run ahead
-    eval_every: int = 20
+    eval_every: int = 50
     eval_prompts: int = 128
     checkpoint_every: int = 0        # 0: only at the end
     out_dir: str = "runs/demo"

@@ -19,7 +19,7 @@ import numpy as np
 from opdjax import tasks
 from opdjax.data import PromptStream, sft_batch
 from opdjax.models import decoder, hf
-from opdjax.models.tiny import make_tiny, train_tokenizer
+from opdjax.models.tiny import load_tokenizer, make_tiny, train_tokenizer
 
 _FORMAT = 1  # bump when the preparation procedure changes
 
@@ -56,7 +56,7 @@ def sft_train(path: pathlib.Path, tokenizer, task, steps: int, *, batch_size: in
         state, m = learner.train_step(state, sft_batch(tokenizer, stream.next(batch_size)))
         if (i + 1) % max(steps // 5, 1) == 0:
             acc = teacher_forced_accuracy(graphdef, state.params, heldout)
-            log(f"  sft {path.name}: step {i + 1}/{steps} loss {m['loss']:.3f} heldout acc {acc:.2f} "
+            log(f"  sft on {task.name!r}: step {i + 1}/{steps} loss {m['loss']:.3f} held-out accuracy {acc:.2f} "
                 f"({time.time() - t0:.0f}s)")
     hf.save_model(path, cfg, state.params)
     return teacher_forced_accuracy(graphdef, state.params, heldout)
@@ -74,44 +74,62 @@ def prepare_builtin(task_cfg, prep, log=print) -> dict:
     """
     p = dataclasses.asdict(prep)
     task = dataclasses.asdict(task_cfg)
-    t_fields = {k: p[k] for k in ("family", "teacher_size", "teacher_steps", "batch_size", "lr", "seed")}
-    s_fields = {k: p[k] for k in ("student_size", "student_steps")}
-    t_key = _key(task=task, teacher=t_fields)
-    s_key = _key(task=task, teacher=t_fields, student=s_fields)
+    t_fields = {k: p[k] for k in ("family", "teacher_size", "teacher_steps", "batch_size", "lr", "seed",
+                                  "student_task")}  # the shared tokenizer is trained on both tasks' text
+    s_fields = {k: p[k] for k in ("student_init", "student_task", "student_size", "student_steps", "student_lr")}
     root = pathlib.Path(prep.cache_dir) / task_cfg.name
-    teacher_dir, student_dir = root / f"teacher-{t_key}", root / f"student-{s_key}"
+    teacher_dir = root / f"teacher-{_key(task=task, teacher=t_fields)}"
+    student_dir = root / f"student-{_key(task=task, teacher=t_fields, student=s_fields)}"
     task_obj = tasks.get_task(task_cfg.name, **task_cfg.options)
-    kw = dict(batch_size=prep.batch_size, lr=prep.lr, seed=prep.seed, log=log)
-    accs = {}
-    for role, path in (("teacher", teacher_dir), ("student", student_dir)):
-        meta_path = path / "opdjax_prepared.json"
-        if meta_path.is_file():
-            accs[role] = json.loads(meta_path.read_text())["heldout_accuracy"]
-            log(f"reusing prepared {role} {path} (held-out accuracy {accs[role]:.2f})")
-            continue
-        size, steps = (prep.teacher_size, prep.teacher_steps) if role == "teacher" else \
-            (prep.student_size, prep.student_steps)
-        log(f"preparing the {role} ({prep.family}/{size}, {steps} supervised steps on {task_cfg.name!r}) in {path}")
-        if role == "teacher":
-            tok = train_tokenizer(tasks.corpus(task_obj, 2000, prep.seed), vocab_size=300)
-        else:
-            from opdjax.models.tiny import load_tokenizer
+    heldout = task_obj.examples(256, prep.seed, "heldout")
 
-            tok = load_tokenizer(teacher_dir)
-        seed = prep.seed + (0 if role == "teacher" else 1)
+    def build_teacher(tmp):
+        tok = train_tokenizer(tasks.corpus(task_obj, 2000, prep.seed) +
+                              tasks.corpus(prep.student_task, 500, prep.seed), vocab_size=300)
+        make_tiny(tmp, prep.family, prep.teacher_size, seed=prep.seed, tokenizer=tok)
+        sft_train(tmp, tok, task_obj, prep.teacher_steps, batch_size=prep.batch_size, lr=prep.lr, seed=prep.seed,
+                  log=log)
+
+    def build_student(tmp):
+        tok = load_tokenizer(teacher_dir)
+        if prep.student_init == "teacher":
+            shutil.copytree(teacher_dir, tmp)
+            (tmp / _DONE).unlink()
+            other = tasks.get_task(prep.student_task)
+            sft_train(tmp, tok, other, prep.student_steps, batch_size=prep.batch_size, lr=prep.student_lr,
+                      seed=prep.seed + 1, log=log)
+        else:
+            make_tiny(tmp, prep.family, prep.student_size, seed=prep.seed + 1, tokenizer=tok)
+            sft_train(tmp, tok, task_obj, prep.student_steps, batch_size=prep.batch_size, lr=prep.student_lr,
+                      seed=prep.seed + 1, log=log)
+
+    accs = {}
+    for role, path, build in (("teacher", teacher_dir, build_teacher), ("student", student_dir, build_student)):
+        if (path / _DONE).is_file():
+            accs[role] = json.loads((path / _DONE).read_text())["heldout_accuracy"]
+            log(f"reusing the prepared {role} {path} (held-out accuracy on {task_cfg.name!r}: {accs[role]:.2f})")
+            continue
+        how = (f"{prep.teacher_steps} supervised steps on {task_cfg.name!r}" if role == "teacher" else
+               f"the teacher fine-tuned {prep.student_steps} steps on {prep.student_task!r}"
+               if prep.student_init == "teacher" else f"{prep.student_steps} supervised steps on {task_cfg.name!r}")
+        log(f"preparing the {role} ({how}) in {path}")
         tmp = path.with_name(path.name + ".partial")
         if tmp.exists():
             shutil.rmtree(tmp)
-        make_tiny(tmp, prep.family, size, seed=seed, tokenizer=tok)
-        accs[role] = sft_train(tmp, tok, task_obj, steps, **kw)
-        (tmp / "opdjax_prepared.json").write_text(json.dumps({"heldout_accuracy": accs[role], "role": role,
-                                                              "task": task, "prepare": p}, indent=2))
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        build(tmp)
+        graphdef, params = hf.load_state(tmp)
+        accs[role] = teacher_forced_accuracy(graphdef, params, sft_batch(load_tokenizer(tmp), heldout))
+        (tmp / _DONE).write_text(json.dumps({"heldout_accuracy": accs[role], "role": role, "task": task,
+                                             "prepare": p}, indent=2))
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)  # complete or absent: an interrupted preparation is redone, never half-used
-        log(f"prepared the {role}: held-out greedy accuracy {accs[role]:.2f}")
+        log(f"prepared the {role}: held-out greedy accuracy on {task_cfg.name!r} {accs[role]:.2f}")
     return {"teacher": str(teacher_dir), "student": str(student_dir), "teacher_acc": accs["teacher"],
             "student_acc": accs["student"]}
 
+
+_DONE = "opdjax_prepared.json"
 
 __all__ = ["prepare_builtin", "sft_train", "teacher_forced_accuracy"]

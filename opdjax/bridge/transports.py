@@ -188,6 +188,7 @@ MAGIC = b"OPDJ"
 PROTOCOL = 1
 CHUNK = 8 << 20
 MAX_MANIFEST = 64 << 20
+SOCK_BUF = 4 << 20
 _CHUNK_HDR = struct.Struct("<QI")
 
 
@@ -237,6 +238,7 @@ class TcpTransport:
         try:
             with socket.create_connection((self.host, self.port), timeout=self.timeout) as sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
                 sock.sendall(MAGIC + struct.pack("<I", PROTOCOL))
                 nonce = _recv_exact(sock, 32, "the server nonce")
                 blob = manifest.to_json().encode()
@@ -329,6 +331,7 @@ class TcpReceiverServer:
             try:
                 with conn:
                     conn.settimeout(self.timeout)
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
                     self._handle(conn, peer)
             except Exception as e:  # a broken client must not kill the server
                 if not self._stop.is_set():
@@ -366,8 +369,8 @@ class TcpReceiverServer:
         t0 = time.perf_counter()
         payload = np.empty(manifest.total_bytes, np.uint8)
         view = memoryview(payload)
+        got = 0
         try:
-            got = 0
             while True:
                 length, crc = _CHUNK_HDR.unpack(_recv_exact(conn, _CHUNK_HDR.size, "a chunk header"))
                 if length == 0:
@@ -381,7 +384,10 @@ class TcpReceiverServer:
                 got += length
             if got != payload.size:
                 raise BridgeError(f"truncated transfer: {got} of {payload.size} payload bytes arrived")
-        except BridgeError as e:
+        except (BridgeError, OSError, struct.error) as e:
+            if not isinstance(e, BridgeError):
+                e = BridgeError(f"truncated transfer: connection lost after {got} of {payload.size} payload "
+                                f"bytes ({type(e).__name__}: {e})")
             msg = f"v{manifest.version}: {e}; engine keeps serving v{self.receiver.version}"
             self.receiver.refusals.append(msg)
             self._refuse(conn, peer, msg)

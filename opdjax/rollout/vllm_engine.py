@@ -66,18 +66,15 @@ def to_torch(a: Any):
                 a = np.asarray(a)
     except ImportError:
         pass
-    a = np.asarray(a)
+    a = np.ascontiguousarray(np.asarray(a))
     special = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-    if a.dtype.name in special:
-        view = np.uint16 if a.dtype.itemsize == 2 else np.uint8
-        return torch.from_numpy(np.ascontiguousarray(a).view(view)).view(special[a.dtype.name])
-    if not a.flags.writeable:  # torch warns on read-only buffers (memory-mapped snapshots); it never writes here
-        import warnings
+    view = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint8) if a.dtype.name in special else a
+    import warnings
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(a)
-    return torch.from_numpy(np.ascontiguousarray(a))
+    with warnings.catch_warnings():  # read-only buffers (memory-mapped snapshots): torch warns, it never writes
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(view)
+    return t.view(special[a.dtype.name]) if a.dtype.name in special else t
 
 
 def _np_dtype(dtype: Any) -> np.dtype:

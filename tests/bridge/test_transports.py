@@ -184,7 +184,11 @@ def test_tcp_truncated_transfer_is_refused(cfg, params, rx):
         s, _ = _client(srv.port, TOKEN, m.to_json().encode())
         s.sendall(T._CHUNK_HDR.pack(len(payload), 0) + payload[:1000])
         s.close()
-        srv.stop()
+        import time
+
+        deadline = time.time() + 10
+        while not any("truncated transfer" in r for r in srv.refusals) and time.time() < deadline:
+            time.sleep(0.01)
         assert any("truncated transfer" in r for r in srv.refusals)
     assert target.applied == []
 

@@ -195,3 +195,17 @@ def test_generate_rejects_bad_input(engine):
         engine.generate([[]], SamplingParams(max_new_tokens=2), seed=0)
     with pytest.raises(ValueError, match="temperature"):
         engine.score(np.ones((1, 4), np.int32), np.ones((1, 4), bool), temperature=0.5)
+
+
+def test_measure_probe_reports_near_zero_mismatch_for_f32_vllm(engine, cfg, learner):
+    from opdjax import measure
+
+    p = _params(cfg, 21)
+    engine.update_weights(hf.named_params(cfg, p), 11)
+    rep = measure.measure(engine, learner, p, _prompts(8, seed=11), SamplingParams(max_new_tokens=6), seed=0,
+                          batch_size=4)
+    m = rep["metrics"]
+    assert m["num_tokens"] == 48 and abs(m["k3"]) < 1e-8 and m["abs_log_ratio_max"] < 1e-4
+    assert "k3" in measure.format_table([("vllm f32", m)])
+    assert measure.parse_options(["kv_cache_dtype=fp8", "max_num_seqs=8", "x=none"]) == {
+        "kv_cache_dtype": "fp8", "max_num_seqs": 8, "x": None}
