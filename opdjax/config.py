@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import pathlib
 import types
 import typing
@@ -136,10 +137,15 @@ class TeacherConfig:
         _positive("teacher", "temperature", self.temperature)
 
 
+# Training defaults per loss, applied under `loss.options` (the pure loss functions keep their textbook defaults).
+# reverse_kl_sampled: a batch-mean baseline (unbiased) — without it the sampled estimator's variance stalls OPD.
+LOSS_DEFAULTS: dict[str, dict[str, Any]] = {"reverse_kl_sampled": {"baseline": "batch"}}
+
+
 @dataclasses.dataclass
 class LossConfig:
     name: str = "reverse_kl_sampled"
-    options: dict = dataclasses.field(default_factory=lambda: {"baseline": "batch"})  # loss kwargs, e.g. discount
+    options: dict = dataclasses.field(default_factory=dict)   # loss kwargs on top of LOSS_DEFAULTS, e.g. {beta: 0.5}
     correction: str = "none"         # none | token_tis | seq_tis | token_mis | seq_mis | geo_reject | k3_reject ...
     correction_options: dict = dataclasses.field(default_factory=dict)  # cap, low, high, threshold, normalize
 
@@ -147,10 +153,19 @@ class LossConfig:
         from opdjax import losses, mismatch
 
         _choice("loss", "name", self.name, losses.LOSSES)
+        params = inspect.signature(losses.get_loss(self.name)).parameters
+        valid = [k for k, p in params.items() if p.kind == p.KEYWORD_ONLY and k != "correction"]
+        for k in self.options:
+            if k not in valid:
+                raise ConfigError(f"loss.options.{k} is not an option of loss {self.name!r}; valid options: {valid}")
         _choice("loss", "correction", self.correction, mismatch.CORRECTIONS)
         fields = {f.name for f in dataclasses.fields(mismatch.Correction)} - {"name"}
         for k in self.correction_options:
             _choice("loss.correction_options", "key", k, fields)
+
+    def resolved_options(self) -> dict[str, Any]:
+        """LOSS_DEFAULTS for this loss, overridden by `options`."""
+        return {**LOSS_DEFAULTS.get(self.name, {}), **self.options}
 
 
 @dataclasses.dataclass

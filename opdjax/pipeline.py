@@ -102,7 +102,7 @@ def build(cfg: TrainConfig, log=print) -> Run:
     mesh = make_mesh(cfg.mesh.shape)
     graphdef, params = hf.load_state(student_path, student_cfg, param_dtype=cfg.student.dtype)
     task = tasks.get_task(cfg.task.name, **cfg.task.options)
-    loss_options = dict(cfg.loss.options)
+    loss_options = cfg.loss.resolved_options()
     if cfg.loss.name == "reinforce" and cfg.rollout.samples_per_prompt > 1:
         loss_options.setdefault("group_size", cfg.rollout.samples_per_prompt)
     correction = (None if cfg.loss.correction == "none"
@@ -258,14 +258,14 @@ class _Worker(threading.Thread):
 
     def __init__(self, run: Run, stream: PromptStream, q: queue.Queue, first_seed: int):
         super().__init__(daemon=True, name="opdjax-rollout")
-        self.run, self.stream, self.q, self.seed = run, stream, q, first_seed
+        self.ctx, self.stream, self.q, self.seed = run, stream, q, first_seed
         self.stop = threading.Event()
         self.error: BaseException | None = None
 
     def run(self):  # noqa: D102 (threading API)
         try:
             while not self.stop.is_set():
-                item = _sample(self.run, self.stream, self.seed)
+                item = _sample(self.ctx, self.stream, self.seed)
                 self.seed += 1
                 while not self.stop.is_set():
                     try:

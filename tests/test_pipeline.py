@@ -91,10 +91,9 @@ def test_losses_get_the_teacher_data_they_declare(pair, tmp_path, loss):
     pipeline.train(_cfg(pair, tmp_path, f"loss.name={loss}", "pipeline.steps=1", *extra), log=lambda s: None)
     (step,) = [x for x in _lines(tmp_path) if "loss" in x]
     assert np.isfinite(step["loss"])
-    if loss == "reinforce":
-        assert "reward_mean" in step
-    else:
-        assert "teacher_kl" in step
+    # Each loss saw the teacher data it declares: top-k masses, full-vocab KL, or task rewards.
+    want = {"forward_kl_topk": "teacher_topk_mass", "jsd": "teacher_kl", "reinforce": "reward_mean"}[loss]
+    assert want in step
 
 
 def test_student_and_teacher_vocabularies_must_agree(pair, tmp_path):
@@ -102,3 +101,12 @@ def test_student_and_teacher_vocabularies_must_agree(pair, tmp_path):
                       tokenizer_vocab=400)
     with pytest.raises(VocabMismatchError, match="vocab"):
         pipeline.train(_cfg(pair, tmp_path, f"teacher={other}"), log=lambda s: None)
+
+
+def test_real_checkpoints_with_jsonl_prompts(pair, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) for a in range(40)))
+    cfg = _cfg(pair, tmp_path, f"prompts={prompts}", "pipeline.steps=2")
+    assert cfg.task.name == "jsonl"
+    summary = pipeline.train(cfg, log=lambda s: None)
+    assert summary["steps"] == 2 and 0.0 <= summary["final"]["eval/accuracy"] <= 1.0

@@ -269,7 +269,9 @@ class JaxEngine:
             self._publish(self._derive(self._cast(state), version), version)
 
     def _cast(self, state: nnx.State) -> nnx.State:
-        return jax.tree.map(lambda a: jnp.asarray(a, self.dtype), state)
+        # Always a private copy: the caller (a learner) may donate its buffers to the next step while this
+        # engine is still sampling with them on another thread.
+        return jax.tree.map(lambda a: jnp.array(a, self.dtype, copy=True), state)
 
     def _derive(self, state: nnx.State, version: int) -> nnx.State:
         """Published weights -> served weights: relative noise, then the recipe's weight qdq, then placement."""
