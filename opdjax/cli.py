@@ -99,10 +99,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _enable_compilation_cache() -> None:
+    """Reuse compiled XLA programs across runs (OPDJAX_JAX_CACHE, default ~/.cache/opdjax/jax; empty = off)."""
+    import os
+    import pathlib
+
+    path = os.environ.get("OPDJAX_JAX_CACHE", str(pathlib.Path.home() / ".cache" / "opdjax" / "jax"))
+    if not path:
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def main(argv: list[str] | None = None) -> int:
     from opdjax.config import ConfigError
 
     args = build_parser().parse_args(argv)
+    _enable_compilation_cache()
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

@@ -90,7 +90,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    recipe: str = "none"             # simulated quantization recipe (opdjax.quant presets) for the JAX engine
+    recipe: str = "none"             # simulated quantization for the JAX engine: a quant.RECIPES name or a recipe file
     weight_noise: float = 0.0        # relative Gaussian weight noise on the engine's copy
     stale_versions: int = 0          # JAX engine serves weights this many versions behind
     dtype: str = "float32"           # engine compute dtype
@@ -110,7 +110,13 @@ class RolloutConfig:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p!r}")
         from opdjax import quant
 
-        _choice("rollout", "recipe", self.recipe, quant.RECIPES)
+        if self.recipe.endswith((".json", ".yaml", ".yml")):
+            try:
+                quant.as_recipe(self.recipe)
+            except ValueError as e:
+                raise ConfigError(f"rollout.recipe={self.recipe!r}: {e}") from e
+        else:
+            _choice("rollout", "recipe", self.recipe, quant.RECIPES)
 
 
 @dataclasses.dataclass

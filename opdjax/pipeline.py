@@ -90,7 +90,8 @@ def make_teacher(cfg: TrainConfig, teacher_path: str, mesh):
                                       temperature=cfg.teacher.temperature)
 
 
-def build(cfg: TrainConfig, log=print) -> Run:
+def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True) -> Run:
+    """Everything a run needs; `with_teacher=False` skips loading the teacher (probes only rescore the student)."""
     student_path, teacher_path = resolve_models(cfg, log)
     tokenizer = load_tokenizer(student_path)
     try:
@@ -111,7 +112,7 @@ def build(cfg: TrainConfig, log=print) -> Run:
                       optim=cfg.optim, total_steps=cfg.pipeline.steps, temperature=max(cfg.rollout.temperature, 1e-6),
                       mesh=mesh)
     return Run(cfg=cfg, tokenizer=tokenizer, task=task, student_cfg=student_cfg, graphdef=graphdef, params=params,
-               teacher=make_teacher(cfg, teacher_path, mesh),
+               teacher=make_teacher(cfg, teacher_path, mesh) if with_teacher else None,
                engine=make_engine(cfg, student_path, student_cfg, params, tokenizer),
                learner=learner, mesh=mesh, out_dir=pathlib.Path(cfg.pipeline.out_dir))
 

@@ -506,12 +506,21 @@ def get_recipe(name: str) -> Recipe:
 
 
 def as_recipe(spec: "str | Mapping[str, Any] | Recipe | None") -> Recipe:
-    """Accept a preset name, a YAML mapping, a Recipe, or None (-> "none")."""
+    """Accept a preset name, a path to a recipe file (.json/.yaml), a YAML mapping, a Recipe, or None (-> "none")."""
     if spec is None:
         return RECIPES["none"]
     if isinstance(spec, Recipe):
         return spec
     if isinstance(spec, str):
+        if spec not in RECIPES and spec.endswith((".json", ".yaml", ".yml")):
+            import pathlib
+
+            import yaml
+
+            p = pathlib.Path(spec)
+            if not p.is_file():
+                raise RecipeError(f"recipe file {spec} does not exist")
+            return Recipe.from_dict(yaml.safe_load(p.read_text()))
         return get_recipe(spec)
     return Recipe.from_dict(spec)
 

@@ -1,0 +1,101 @@
+"""The admission probe: the mismatch M of a candidate engine configuration, without training.
+
+Sample a few batches of training prompts with the candidate engine (`cfg.rollout`: engine, recipe, weight noise,
+staleness, vLLM options), rescore the same tokens with the learner's forward (f32/bf16, no quantization), and
+compute `mismatch.metrics`. For staleness k the probe first takes k throwaway learner steps, publishing nothing, so
+the engine serves weights k versions behind the learner — exactly what a training step would see.
+
+M is the chosen metric (default k3) over all probe tokens, with a 95% bootstrap CI over sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from opdjax import mismatch
+from opdjax.config import TrainConfig
+from opdjax.data import PromptStream
+
+
+@dataclasses.dataclass
+class ProbeResult:
+    metric: str
+    m: float
+    ci_low: float
+    ci_high: float
+    metrics: dict[str, float]
+    seconds: float
+    tokens: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def per_sequence_terms(metric: str, student_logp_BL: np.ndarray, rollout_logp_BL: np.ndarray,
+                       mask_BL: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(per-sequence sum of the metric's token terms, per-sequence token counts) for a ratio-of-sums bootstrap.
+
+    k1: -r;  k2: r²/2;  k3: exp(r) - r - 1;  abs_log_ratio_mean: |r|;  r = clip(student - rollout, ±20).
+    """
+    r = np.clip(student_logp_BL.astype(np.float64) - rollout_logp_BL, -mismatch.LOG_RATIO_CLAMP,
+                mismatch.LOG_RATIO_CLAMP)
+    terms = {"k1": -r, "k2": r * r / 2, "k3": np.expm1(r) - r, "abs_log_ratio_mean": np.abs(r)}
+    if metric not in terms:
+        raise ValueError(f"probe metric {metric!r} is not supported; choose one of {sorted(terms)}")
+    m = mask_BL.astype(np.float64)
+    return (terms[metric] * m).sum(1), m.sum(1)
+
+
+def bootstrap_ci(sums_B: np.ndarray, counts_B: np.ndarray, *, n: int = 1000, seed: int = 0,
+                 level: float = 0.95) -> tuple[float, float]:
+    """Percentile CI of Σ sums / Σ counts, resampling sequences with replacement."""
+    rows = np.flatnonzero(counts_B > 0)
+    if rows.size == 0:
+        return 0.0, 0.0
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, rows.size, (n, rows.size))
+    est = sums_B[rows][idx].sum(1) / np.maximum(counts_B[rows][idx].sum(1), 1)
+    a = (1 - level) / 2
+    return float(np.quantile(est, a)), float(np.quantile(est, 1 - a))
+
+
+def probe(cfg: TrainConfig, *, batches: int = 4, metric: str = "k3", seed: int = 0, log=print) -> ProbeResult:
+    """Measure M for the engine configuration in `cfg.rollout` on the configured student (no training)."""
+    from opdjax import pipeline
+
+    t0 = time.time()
+    run = pipeline.build(cfg, log=log, with_teacher=bool(cfg.rollout.stale_versions))
+    state = run.learner.init(run.params)
+    stream = PromptStream(run.task, seed=cfg.seed + 31 + seed)
+    k = cfg.rollout.stale_versions
+    if k:
+        # Throwaway learner steps: the engine keeps serving version 0 while the learner moves k versions ahead.
+        for i in range(k):
+            examples = stream.next(cfg.rollout.batch_size)
+            batch = pipeline.generate(run, examples, seed=10_000 + i)
+            state, _ = run.learner.train_step(state, pipeline.learner_batch(run, batch, examples))
+    sums, counts, tokens = [], [], 0
+    s_all, r_all, m_all = [], [], []
+    for b in range(batches):
+        examples = stream.next(cfg.rollout.batch_size)
+        batch = pipeline.generate(run, examples, seed=20_000 + 97 * seed + b)
+        student = run.learner.logp(state.params, batch.tokens_BL, batch.valid_BL)
+        s, c = per_sequence_terms(metric, student, batch.rollout_logp_BL, batch.completion_mask_BL)
+        sums.append(s)
+        counts.append(c)
+        tokens += int(batch.completion_mask_BL.sum())
+        s_all.append(student)
+        r_all.append(batch.rollout_logp_BL.astype(np.float32))
+        m_all.append(batch.completion_mask_BL)
+    sums_B, counts_B = np.concatenate(sums), np.concatenate(counts)
+    L = max(x.shape[1] for x in s_all)
+    pad = lambda xs: np.concatenate([np.pad(x, ((0, 0), (0, L - x.shape[1]))) for x in xs])  # noqa: E731
+    full = mismatch.metrics(jnp.asarray(pad(s_all)), jnp.asarray(pad(r_all)), jnp.asarray(pad(m_all)))
+    lo, hi = bootstrap_ci(sums_B, counts_B, seed=seed)
+    m = float(sums_B.sum() / max(counts_B.sum(), 1))
+    return ProbeResult(metric=metric, m=m, ci_low=lo, ci_high=hi,
+                       metrics={k_: float(v) for k_, v in full.items()}, seconds=time.time() - t0, tokens=tokens)
