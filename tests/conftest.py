@@ -23,3 +23,18 @@ def cpu_devices():
     devs = jax.devices("cpu")
     assert len(devs) >= 8, f"expected 8 CPU devices from JAX_NUM_CPU_DEVICES, got {len(devs)}"
     return devs
+
+
+@pytest.fixture(scope="session")
+def vllm_module():
+    """The real vllm package: skipped when missing, a failure when OPDJAX_REQUIRE_VLLM=1 (as in CI)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import vllm
+    except Exception as e:  # noqa: BLE001 - any import failure means "no usable vLLM"
+        msg = f"vllm is not importable ({e!r})"
+        if os.environ.get("OPDJAX_REQUIRE_VLLM") == "1":
+            pytest.fail(msg + " and OPDJAX_REQUIRE_VLLM=1")
+        pytest.skip(msg)
+    return vllm
