@@ -508,7 +508,7 @@ def recipe_search(cfg, budget: Budget, *, margin: float = 0.8, by: str = "layer"
     keep: list[Unit] = []
     recipe = full_fp8_recipe(keep, name=name)
     r = _probe_recipe(cfg, recipe, probe_fn, **kw)
-    steps.append({"kept": [], "m": r.m, "ci_low": r.ci_low, "ci_high": r.ci_high, "fits": fits(r)})
+    steps.append({"action": "full fp8", "kept": [], "m": r.m, "ci_low": r.ci_low, "ci_high": r.ci_high, "fits": fits(r)})
     log(f"full FP8 (W8A8 + FP8 KV): {budget.metric} {r.m:.3e} [{r.ci_low:.3e}, {r.ci_high:.3e}]; "
         f"target {target:.3e} (margin {margin} x B {budget.budget:.3e})")
     sens = None
@@ -519,24 +519,33 @@ def recipe_search(cfg, budget: Budget, *, margin: float = 0.8, by: str = "layer"
         full_tokens = quant.kv_capacity_tokens(mcfg, memory_bytes, full_fp8_recipe())
         kv_saving = full_tokens * (quant.kv_cache_bytes_per_token(mcfg, None)
                                    - quant.kv_cache_bytes_per_token(mcfg, full_fp8_recipe()))
+        saving = {row["unit"]: kv_saving if row["kv"] else row["weight_bytes_saved"] for row in sens["units"]}
 
-        def score(row):
-            saved = kv_saving if row["kv"] else row["weight_bytes_saved"]
-            return max(row["contribution"], 0.0) / max(saved, 1)
+        def attempt(kept: list[Unit], action: str):
+            rec = full_fp8_recipe(kept, name=name)
+            res = _probe_recipe(cfg, rec, probe_fn, **kw)
+            steps.append({"action": action, "kept": [u.label for u in kept], "m": res.m, "ci_low": res.ci_low,
+                          "ci_high": res.ci_high, "fits": fits(res)})
+            log(f"  {action:<22} -> {budget.metric} {res.m:.3e} [{res.ci_low:.3e}, {res.ci_high:.3e}]"
+                f"{'  fits' if fits(res) else ''}")
+            return rec, res
 
-        order = sorted(sens["units"], key=lambda row: -score(row))
-        for row in order:
+        # Phase 1: keep the most sensitive units in high precision until the recipe fits.
+        for row in sorted(sens["units"], key=lambda x: (-x["contribution"], saving[x["unit"]])):
             if row["contribution"] <= 0 and keep:
                 break  # the rest do not reduce M: keeping them costs memory for nothing
             keep.append(all_units[row["unit"]])
-            recipe = full_fp8_recipe(keep, name=name)
-            r = _probe_recipe(cfg, recipe, probe_fn, **kw)
-            steps.append({"kept": [u.label for u in keep], "m": r.m, "ci_low": r.ci_low, "ci_high": r.ci_high,
-                          "fits": fits(r)})
-            log(f"  keep {row['unit']:<14} -> {budget.metric} {r.m:.3e} [{r.ci_low:.3e}, {r.ci_high:.3e}]"
-                f"{'  fits' if fits(r) else ''}")
+            recipe, r = attempt(keep, f"keep {row['unit']}")
             if fits(r):
                 break
+        # Phase 2: M is not additive; give back (re-quantize) kept units, largest memory saving first, while it
+        # still fits — this is what maximises the memory saved.
+        if fits(r):
+            for u in sorted(keep[:-1], key=lambda u: -saving[u.label]):
+                trial = [k for k in keep if k is not u]
+                rec2, r2 = attempt(trial, f"re-quantize {u.label}")
+                if fits(r2):
+                    keep, recipe, r = trial, rec2, r2
     saved = quant.weight_bytes(mcfg, None) - quant.weight_bytes(mcfg, recipe)
     return SearchResult(recipe=recipe, kept=[u.label for u in keep], fits=fits(r), m=r.m, ci_low=r.ci_low,
                         ci_high=r.ci_high, steps=steps, sensitivity=sens, vllm=vllm_settings(mcfg, recipe),

@@ -19,9 +19,13 @@ byte of the payload is looked at.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import os
+import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Mapping
 
 import numpy as np
@@ -56,11 +60,114 @@ def np_dtype(name: str) -> np.dtype:
     return DTYPES[name]
 
 
+def _u8(buf: Any) -> Any:
+    """A flat uint8 view of a numpy array (copied only if not contiguous); other buffers as they are."""
+    if isinstance(buf, np.ndarray):
+        return np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    return buf
+
+
 def checksum(buf: Any) -> int:
     """CRC-32 of a contiguous buffer (numpy array, bytes, memoryview)."""
-    if isinstance(buf, np.ndarray):
-        buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
-    return zlib.crc32(buf) & 0xFFFFFFFF
+    return zlib.crc32(_u8(buf)) & 0xFFFFFFFF
+
+
+# CRC-32 of a concatenation from the CRC-32s of its parts (zlib's crc32_combine, which Python does not expose):
+# crc(A || B) = (x^(8 |B|) * crc(A)) mod P  xor  crc(B), in the reflected bit order of zlib's CRC-32.
+_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b mod P (reflected CRC-32 polynomials; a != 0)."""
+    m, p = 1 << 31, 0
+    while m:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                break
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+_X2N = [1 << 30]  # x^(2^k) mod P for k = 0..31
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+@functools.lru_cache(maxsize=256)
+def _x8nmodp(n: int) -> int:
+    """x^(8 n) mod P: the operator that shifts a CRC past n zero bytes."""
+    p, k = 1 << 31, 3
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A || B from crc1 = CRC-32(A), crc2 = CRC-32(B) and len2 = len(B) (zlib.crc32_combine)."""
+    if len2 <= 0:
+        return crc1
+    return (_multmodp(_x8nmodp(int(len2)), crc1) if crc1 else 0) ^ crc2
+
+
+PIECE = 16 << 20  # checksum_many() splits buffers into pieces of this size so that threads share big tensors
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def checksum_threads() -> int:
+    """Threads `checksum_many` uses: OPDJAX_BRIDGE_CRC_THREADS, else the CPUs this process may run on (at most 8)."""
+    env = os.environ.get("OPDJAX_BRIDGE_CRC_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
+
+def checksum_many(bufs: Iterable[Any]) -> list[int]:
+    """CRC-32 of each buffer, spread over `checksum_threads()` threads (zlib releases the GIL on large buffers).
+
+    Buffers are cut into pieces of at most PIECE bytes, the pieces shared out in byte-balanced contiguous runs (the
+    calling thread takes one run), and each buffer's CRC is combined from its pieces' (`crc32_combine`); the result
+    equals `[checksum(b) for b in bufs]`.
+    """
+    views = [memoryview(_u8(b)).cast("B") for b in bufs]
+    pieces = [(i, v[o:o + PIECE]) for i, v in enumerate(views) for o in range(0, max(len(v), 1), PIECE)]
+    total = sum(len(p) for _, p in pieces)
+    threads = min(checksum_threads(), len(pieces))
+    if threads <= 1 or total < (4 << 20):
+        crcs = [zlib.crc32(p) for _, p in pieces]
+    else:
+        runs, run, acc = [], [], 0
+        for j, (_, p) in enumerate(pieces):
+            run.append(j)
+            acc += len(p)
+            if acc >= total * (len(runs) + 1) / threads and len(runs) < threads - 1:
+                runs.append(run)
+                run = []
+        runs.append(run)
+
+        def crc_run(run: list[int]) -> list[int]:
+            return [zlib.crc32(pieces[j][1]) for j in run]
+
+        global _pool
+        with _pool_lock:
+            if _pool is None or _pool._max_workers < threads - 1:  # noqa: SLF001
+                _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="opdjax-crc")
+            pool = _pool
+        futures = [pool.submit(crc_run, r) for r in runs[1:]]
+        crcs = crc_run(runs[0]) + [c for f in futures for c in f.result()]
+    out = [0] * len(views)
+    for (i, p), c in zip(pieces, crcs):
+        out[i] = crc32_combine(out[i], c, len(p))
+    return [c & 0xFFFFFFFF for c in out]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,12 +244,13 @@ class Manifest:
 def build_manifest(version: int, model_type: str, dtype: str, tensors: Iterable[tuple[str, Any, dict]], *,
                    recipe: str | None = None, checksums: bool = True) -> Manifest:
     """A manifest for (name, array, extra) triples in payload order (`extra` holds quant / scale_of)."""
+    tensors = list(tensors)
+    crcs = checksum_many(np.asarray(a) for _, a, _ in tensors) if checksums else [None] * len(tensors)
     entries, offset = [], 0
-    for name, a, extra in tensors:
+    for (name, a, extra), crc in zip(tensors, crcs):
         shape = tuple(int(s) for s in np.shape(a))
         dt = dtype_name(a.dtype)
         nbytes = math.prod(shape) * np_dtype(dt).itemsize
-        crc = checksum(np.asarray(a)) if checksums else None
         entries.append(TensorEntry(name=name, shape=shape, dtype=dt, offset=offset, nbytes=nbytes, crc32=crc,
                                    **extra))
         offset += nbytes

@@ -4,7 +4,9 @@
 buffer)` for byte transports) runs, in order and before the engine is touched:
 
   1. `manifest.validate` against the engine's `ModelSpec` (names, shapes, dtypes, scales, payload tiling);
-  2. every array against its entry (shape, dtype, byte length) and its CRC-32 when the manifest carries one;
+  2. every array against its entry (shape, dtype, byte length) and its CRC-32 when the manifest carries one
+     (spread over a few threads, `manifest.checksum_many`; skipped only when the transport says it has already
+     compared every tensor's CRC-32 with the manifest as the bytes arrived: `receive_payload(..., verified=True)`);
   3. FP8 weights dequantized (`opdjax.quant.dequantize`, the simulation's dequantizer) to the engine's dtype
      unless the target takes FP8 weights itself (`target.accepts_fp8`, a GPU engine with quantization="fp8").
 
@@ -13,7 +15,9 @@ prefix cache). Any refusal raises `BridgeError` naming the problem and the versi
 (logger "opdjax.bridge") and kept in `receiver.refusals`. Receives are serialised by a lock.
 
 A target is anything with `version` (int) and `apply_weights(named, version)`; `ArrayTarget` is a plain in-memory
-one (tests, and a receiver double where no engine is needed).
+one (tests, and a receiver double where no engine is needed). The arrays handed to `apply_weights` may be views of
+a transport's buffer (a shared-memory region the learner reuses for a later version): a target copies what it
+keeps (vLLM's reload_weights copies into its parameters) and holds no reference once `apply_weights` returns.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from opdjax.bridge.manifest import BridgeError, Manifest, ModelSpec, checksum, np_dtype, validate
+from opdjax.bridge.manifest import BridgeError, Manifest, ModelSpec, checksum_many, np_dtype, validate
 
 log = logging.getLogger("opdjax.bridge")
 
@@ -92,15 +96,19 @@ class WeightReceiver:
         except BridgeError as e:
             raise self.refuse(str(e)) from None
 
-    def receive_payload(self, manifest: Manifest, payload: Any) -> None:
-        """Apply a publish whose tensors lie back to back in one buffer (file snapshot, TCP)."""
+    def receive_payload(self, manifest: Manifest, payload: Any, *, verified: bool = False) -> None:
+        """Apply a publish whose tensors lie back to back in one buffer (file snapshot, TCP).
+
+        verified: the transport has already compared every entry's CRC-32 with the bytes in `payload` (the TCP
+        receiver does, as they arrive), so they are not computed a second time.
+        """
         with self._lock:
             self.check(manifest)
             try:
                 arrays = payload_views(manifest, payload)
             except BridgeError as e:
                 raise self.refuse(str(e)) from None
-            self._apply(manifest, arrays)
+            self._apply(manifest, arrays, verified=verified)
 
     def receive(self, manifest: Manifest, arrays: Sequence[Any]) -> None:
         """Apply a publish given as one array per manifest entry (in-process)."""
@@ -108,7 +116,7 @@ class WeightReceiver:
             self.check(manifest)
             self._apply(manifest, arrays)
 
-    def _apply(self, manifest: Manifest, arrays: Sequence[Any]) -> None:
+    def _apply(self, manifest: Manifest, arrays: Sequence[Any], *, verified: bool = False) -> None:
         v = manifest.version
         if len(arrays) != len(manifest.entries):
             raise self.refuse(f"v{v}: {len(arrays)} arrays for {len(manifest.entries)} manifest entries")
@@ -116,8 +124,9 @@ class WeightReceiver:
             if tuple(np.shape(a)) != tuple(e.shape) or np.dtype(a.dtype) != np_dtype(e.dtype):
                 raise self.refuse(f"v{v}: tensor {e.name!r} arrived as {np.dtype(a.dtype)}{list(np.shape(a))}, "
                                   f"manifest says {e.dtype}{list(e.shape)}")
-            if self.verify_checksums and e.crc32 is not None:
-                got = checksum(np.asarray(a))
+        if self.verify_checksums and not verified:
+            checked = [(e, a) for e, a in zip(manifest.entries, arrays) if e.crc32 is not None]
+            for (e, _), got in zip(checked, checksum_many(np.asarray(a) for _, a in checked)):
                 if got != e.crc32:
                     raise self.refuse(f"v{v}: checksum mismatch on tensor {e.name!r} (crc32 {got:08x}, manifest "
                                       f"{e.crc32:08x}): corrupt transfer")
