@@ -600,46 +600,50 @@ class TcpReceiverServer:
         _send_status(conn, ok=True, version=manifest.version, recv_s=t1 - t0, apply_s=time.perf_counter() - t1)
 
     @staticmethod
-    def _stream(conn: socket.socket, manifest: Manifest, payload: np.ndarray) -> int:
-        """Receive the chunks into `payload`, checking every chunk's and every tensor's CRC-32; returns the bytes.
+    def _stream(conn: socket.socket, manifest: Manifest, payload: np.ndarray) -> None:
+        """Receive the chunks into `payload`, checking every chunk's and every tensor's CRC-32 (BridgeError if not).
 
         Each byte is checksummed once, in slices, as it arrives: a segment (the part of a chunk inside one tensor)
         has a running CRC-32, combined into its chunk's and its tensor's (`crc32_combine`; a plain assignment when
-        chunks are tensors, as TcpTransport sends them).
+        chunks are tensors, as TcpTransport sends them). Tensors are compared with the manifest once the whole
+        payload has arrived and every chunk has checked out.
         """
         view = memoryview(payload)
         entries = manifest.entries
         ends = [e.offset + e.nbytes for e in entries]
         tensor_crc = [0] * len(entries)
         total, got, ti = payload.size, 0, 0
-        while True:
-            length, crc = _CHUNK_HDR.unpack(_recv_exact(conn, _CHUNK_HDR.size, "a chunk header"))
-            if length == 0:
-                break
-            if got + length > total:
-                raise BridgeError(f"payload overruns the manifest's {total} bytes")
-            start, end, chunk_crc = got, got + length, 0
-            while got < end:
-                while ends[ti] <= got:  # got < total, so some tensor ends after it
-                    ti += 1
-                seg_start, seg_end, seg_crc = got, min(end, ends[ti]), 0
-                while got < seg_end:
-                    stop = min(seg_end, got + SLICE)
-                    part = view[got:stop]
-                    _recv_into(conn, part, f"chunk at byte {start}")
-                    seg_crc = zlib.crc32(part, seg_crc)
-                    got = stop
-                chunk_crc = crc32_combine(chunk_crc, seg_crc, seg_end - seg_start)
-                tensor_crc[ti] = crc32_combine(tensor_crc[ti], seg_crc, seg_end - seg_start)
-            if chunk_crc != crc:
-                raise BridgeError(f"corrupt chunk at byte {start} (crc32 mismatch)")
+        try:
+            while True:
+                length, crc = _CHUNK_HDR.unpack(_recv_exact(conn, _CHUNK_HDR.size, "a chunk header"))
+                if length == 0:
+                    break
+                if got + length > total:
+                    raise BridgeError(f"payload overruns the manifest's {total} bytes")
+                start, end, chunk_crc = got, got + length, 0
+                while got < end:
+                    while ends[ti] <= got:  # got < total, so some tensor ends after it
+                        ti += 1
+                    seg_start, seg_end, seg_crc = got, min(end, ends[ti]), 0
+                    while got < seg_end:
+                        stop = min(seg_end, got + SLICE)
+                        part = view[got:stop]
+                        _recv_into(conn, part, f"chunk at byte {start}")
+                        seg_crc = zlib.crc32(part, seg_crc)
+                        got = stop
+                    chunk_crc = crc32_combine(chunk_crc, seg_crc, seg_end - seg_start)
+                    tensor_crc[ti] = crc32_combine(tensor_crc[ti], seg_crc, seg_end - seg_start)
+                if chunk_crc != crc:
+                    raise BridgeError(f"corrupt chunk at byte {start} (crc32 mismatch)")
+        except (OSError, struct.error) as e:
+            raise BridgeError(f"truncated transfer: connection lost after {got} of {total} payload bytes "
+                              f"({type(e).__name__}: {e})") from None
         if got != total:
             raise BridgeError(f"truncated transfer: {got} of {total} payload bytes arrived")
         for e, c in zip(entries, tensor_crc):
             if e.crc32 is not None and c != e.crc32:
                 raise BridgeError(f"checksum mismatch on tensor {e.name!r} (crc32 {c:08x}, manifest "
                                   f"{e.crc32:08x}): corrupt transfer")
-        return got
 
 
 def snapshot_payload(root: str | pathlib.Path, version: int) -> tuple[Manifest, list[np.ndarray]]:

@@ -50,7 +50,10 @@ def test_snapshot_round_trip_applies_newest_and_prunes(tmp_path, cfg, params, rx
         pub.publish(params[v], v)
     assert watcher.poll() == 3 and target.version == 3 and _same(target, cfg, params[3])
     assert watcher.poll() is None  # nothing newer
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["v0000000002", "v0000000003"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["v0000000002",
+                                                                                       "v0000000003"]
+    assert [p.name[:len(".spare-v0000000001")] for p in tmp_path.iterdir() if p.name.startswith(".")] == [
+        ".spare-v0000000001"]  # v1 retired, hidden, its shared memory kept for the next publish
     with pytest.raises(BridgeError, match="already exists"):
         pub.publish(params[3], 3)
 
