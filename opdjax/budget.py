@@ -60,17 +60,33 @@ TRAIN_METRICS = ("k3", "k1", "abs_log_ratio_p95")  # per-step mismatch/<key> ave
 class RLConfig:
     """Phenomenon (a): the RL baseline (task reward) versus OPD at the same weight-noise levels.
 
-    Every level runs both OPD (reused from the sweep when the level is one of its points) and RL with `overrides`
-    on top of the study's `base`; each method's degradation is measured against its own noise-free run.
+    Every level runs OPD and RL (`overrides` on top of the study's `base`), both with `common` on top (e.g. a
+    student that still earns some reward: RL from a student with accuracy 0 gets no signal at all); each method's
+    degradation is measured against its own noise-free run. With `common` empty the OPD runs are the sweep's.
     """
 
     enabled: bool = True
     weight_noise: tuple = (0.0, 0.1, 0.3)      # 0 is each method's clean reference (added when missing)
+    common: dict = dataclasses.field(default_factory=dict)
     overrides: dict = dataclasses.field(default_factory=lambda: {
         "loss": {"name": "reinforce"}, "rollout": {"samples_per_prompt": 4, "batch_size": 8}})
 
     def validate(self):
         _levels("rl.weight_noise", self.weight_noise)
+
+    def levels(self) -> list[float]:
+        return sorted({0.0} | {float(s) for s in self.weight_noise})
+
+    def rl_point(self, sigma: float) -> "Point":
+        return _noise_point(sigma, "rl", _merged(self.common, self.overrides), probe=False, label="rl")
+
+    def opd_point(self, sigma: float) -> "Point | None":
+        """The OPD run of the comparison when `common` is set (else None: the sweep's runs are used)."""
+        return _noise_point(sigma, "rl", self.common, probe=False, label="opd_rl") if self.common else None
+
+
+def _merged(a: Mapping, b: Mapping) -> dict:
+    return _deep_update(json.loads(json.dumps(dict(a))), json.loads(json.dumps(dict(b))))
 
 
 @dataclasses.dataclass
@@ -213,7 +229,7 @@ class Point:
     @property
     def id(self) -> str:
         v = str(self.value).replace("/", "_").replace(os.sep, "_")
-        head = {"sweep": "", "rl": "rl__", "correction": f"{self.label}__"}[self.group]
+        head = "" if self.group == "sweep" else f"{self.label}__"
         return head + ("baseline" if self.knob == "baseline" else f"{self.knob}={v}")
 
 
@@ -244,9 +260,12 @@ def phenomena_points(study: StudyConfig) -> list[Point]:
     pts: list[Point] = []
     extra_opd: set[float] = set()
     if study.rl.enabled:
-        levels = sorted({0.0} | {float(s) for s in study.rl.weight_noise})
-        pts += [_noise_point(s, "rl", study.rl.overrides, probe=False, label="rl") for s in levels]
-        extra_opd |= set(levels) - sweep_noise
+        levels = study.rl.levels()
+        pts += [study.rl.rl_point(s) for s in levels]
+        if study.rl.common:
+            pts += [study.rl.opd_point(s) for s in levels]
+        else:
+            extra_opd |= set(levels) - sweep_noise
     if study.shift.enabled and study.shift.corrections:
         s = float(study.shift.correction_noise)
         pts += [_noise_point(s, "correction", {"loss": {"correction": c}}, probe=False, label=c)
@@ -584,12 +603,13 @@ def phenomena(study: StudyConfig, sweep: list[Point], extra: list[Point], record
     by_id = {r["id"]: r for r in rows}
     out: dict[str, Any] = {}
 
-    def opd_row(sigma: float) -> dict | None:
-        pid = "baseline" if sigma == 0 else _noise_point(sigma).id
-        if pid in records:
-            recs = records[pid]
+    def opd_row(sigma: float, pid: str | None = None) -> dict | None:
+        if pid is not None:
+            recs = records.get(pid)
         else:
-            recs = records.get(_noise_point(sigma, "correction", None, False, "opd").id)
+            pid = "baseline" if sigma == 0 else _noise_point(sigma).id
+            recs = records[pid] if pid in records else records.get(
+                _noise_point(sigma, "correction", None, False, "opd").id)
         if not recs:
             return None
         row = by_id.get(pid)
@@ -600,14 +620,15 @@ def phenomena(study: StudyConfig, sweep: list[Point], extra: list[Point], record
                 "nonfinite_steps": int(sum(r["nonfinite_steps"] for r in recs))}
 
     if study.rl.enabled:
-        rl_levels = sorted({0.0} | {float(s) for s in study.rl.weight_noise})
+        rl_levels = study.rl.levels()
         table = []
-        rl0 = records[_noise_point(0.0, "rl", study.rl.overrides, False, "rl").id]
+        rl0 = records[study.rl.rl_point(0.0).id]
         rl0_acc = float(np.mean([r["accuracy"] for r in rl0]))
         rl0_rkl = float(np.mean([r["reverse_kl"] for r in rl0]))
-        opd0 = opd_row(0.0)
+        opd_for_rl = (lambda s: opd_row(s, study.rl.opd_point(s).id)) if study.rl.common else opd_row
+        opd0 = opd_for_rl(0.0)
         for s in rl_levels:
-            recs = records[_noise_point(s, "rl", study.rl.overrides, False, "rl").id]
+            recs = records[study.rl.rl_point(s).id]
             rl = {"reverse_kl": float(np.mean([r["reverse_kl"] for r in recs])),
                   "accuracy": float(np.mean([r["accuracy"] for r in recs])),
                   "accuracy_seeds": [r["accuracy"] for r in recs],
@@ -616,13 +637,13 @@ def phenomena(study: StudyConfig, sweep: list[Point], extra: list[Point], record
                   "nonfinite_steps": int(sum(r["nonfinite_steps"] for r in recs))}
             rl["accuracy_drop"] = rl0_acc - rl["accuracy"]
             rl["reverse_kl_rel_increase"] = (rl["reverse_kl"] - rl0_rkl) / max(abs(rl0_rkl), 1e-9)
-            opd = opd_row(s)
+            opd = opd_for_rl(s)
             if opd is not None and opd0 is not None:
                 opd["accuracy_drop"] = opd0["accuracy"] - opd["accuracy"]
                 opd["reverse_kl_rel_increase"] = (opd["reverse_kl"] - opd0["reverse_kl"]) / max(
                     abs(opd0["reverse_kl"]), 1e-9)
             table.append({"weight_noise": s, "opd": opd, "rl": rl})
-        out["rl_vs_opd"] = {"overrides": study.rl.overrides, "levels": table}
+        out["rl_vs_opd"] = {"overrides": study.rl.overrides, "common": study.rl.common, "levels": table}
 
     if study.shift.enabled:
         base_recs = records["baseline"]
@@ -768,8 +789,9 @@ def summary_markdown(result: Mapping[str, Any]) -> str:
     if "rl_vs_opd" in ph:
         rv = ph["rl_vs_opd"]
         L += ["", "## (a) OPD versus the RL baseline under weight noise", "",
-              f"RL = task-reward policy gradient with overrides `{json.dumps(rv['overrides'])}`; each method is "
-              "compared with its own noise-free run (same seeds, same steps).", "",
+              f"RL = task-reward policy gradient with overrides `{json.dumps(rv['overrides'])}`"
+              + (f"; both methods with `{json.dumps(rv['common'])}`" if rv.get("common") else "; OPD = the sweep's runs")
+              + ". Each method is compared with its own noise-free run (same seeds, same steps).", "",
               "| sigma | M probe | OPD RKL | OPD acc | OPD acc drop | OPD RKL rel. increase | RL acc | RL acc drop | "
               "RL reward (last 10%) | RL RKL rel. increase | non-finite steps (OPD/RL) |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-shard-mb", type=float, default=None)
     c.set_defaults(func=_convert)
 
+    from opdjax.admission import add_admission_commands
+    from opdjax.budget import add_study_command
+
+    add_study_command(sub)
+    add_admission_commands(sub)
     return p
 
 

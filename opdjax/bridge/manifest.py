@@ -3,7 +3,9 @@
 A publish of version v is a manifest plus one payload: the tensors' bytes, back to back, in manifest order
 (layer order, HF names and HF layout: Linear weights [out, in]). Each entry names its tensor, shape, dtype
 (safetensors dtype names: "F32", "BF16", "F8_E4M3", ...), byte offset and size in the payload and a CRC-32 of its
-bytes (None when the transport cannot corrupt or truncate, i.e. in-process).
+bytes (None when the transport cannot corrupt or truncate, i.e. in-process). CRC-32 is zlib's; the bridge computes
+it with the system's libdeflate where there is one (PCLMULQDQ, several times faster, the same values;
+OPDJAX_BRIDGE_CRC=zlib forces zlib) and spreads big lists over a few threads (`checksum_many`).
 
 Pre-quantized FP8 weights (made by `opdjax.quant.quantize_named`, the same quantizer the simulation uses) travel
 as two entries: the weight `<module>.weight` in the FP8 storage dtype with `quant = {fmt, granularity, block}`
@@ -67,9 +69,52 @@ def _u8(buf: Any) -> Any:
     return buf
 
 
+@functools.cache
+def _libdeflate_crc32():
+    """libdeflate's CRC-32 (PCLMULQDQ-accelerated; the same function as zlib.crc32), or None where the system has
+    no libdeflate, or OPDJAX_BRIDGE_CRC=zlib. Checked against zlib before use; ctypes releases the GIL."""
+    if os.environ.get("OPDJAX_BRIDGE_CRC", "").lower() == "zlib":
+        return None
+    import ctypes
+    import ctypes.util
+
+    for name in ("libdeflate.so.0", ctypes.util.find_library("deflate")):
+        try:
+            fn = ctypes.CDLL(name).libdeflate_crc32 if name else None
+        except (OSError, AttributeError):
+            fn = None
+        if fn is not None:
+            break
+    else:
+        return None
+    fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+    probe = np.frombuffer(bytes(range(256)) * 1031, np.uint8)
+    if fn(12345, probe.ctypes.data, probe.nbytes) != zlib.crc32(probe, 12345):
+        return None
+    return fn
+
+
+def crc32_impl() -> str:
+    """Which CRC-32 implementation the bridge uses: "libdeflate" or "zlib"."""
+    return "zlib" if _libdeflate_crc32() is None else "libdeflate"
+
+
+_FAST_MIN = 16 << 10  # below this, zlib's call overhead is the smaller one
+
+
+def crc32(buf: Any, value: int = 0) -> int:
+    """zlib.crc32(buf, value) of a contiguous buffer, through libdeflate when the system has it (same values)."""
+    fn = _libdeflate_crc32()
+    if fn is not None:
+        a = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
+        if a.nbytes >= _FAST_MIN and a.flags.c_contiguous:
+            return fn(value, a.ctypes.data, a.nbytes)
+    return zlib.crc32(buf, value) & 0xFFFFFFFF
+
+
 def checksum(buf: Any) -> int:
     """CRC-32 of a contiguous buffer (numpy array, bytes, memoryview)."""
-    return zlib.crc32(_u8(buf)) & 0xFFFFFFFF
+    return crc32(_u8(buf))
 
 
 # CRC-32 of a concatenation from the CRC-32s of its parts (zlib's crc32_combine, which Python does not expose):
@@ -143,7 +188,7 @@ def checksum_many(bufs: Iterable[Any]) -> list[int]:
     total = sum(len(p) for _, p in pieces)
     threads = min(checksum_threads(), len(pieces))
     if threads <= 1 or total < (4 << 20):
-        crcs = [zlib.crc32(p) for _, p in pieces]
+        crcs = [crc32(p) for _, p in pieces]
     else:
         runs, run, acc = [], [], 0
         for j, (_, p) in enumerate(pieces):
@@ -155,11 +200,13 @@ def checksum_many(bufs: Iterable[Any]) -> list[int]:
         runs.append(run)
 
         def crc_run(run: list[int]) -> list[int]:
-            return [zlib.crc32(pieces[j][1]) for j in run]
+            return [crc32(pieces[j][1]) for j in run]
 
         global _pool
         with _pool_lock:
             if _pool is None or _pool._max_workers < threads - 1:  # noqa: SLF001
+                if _pool is not None:
+                    _pool.shutdown(wait=False)
                 _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="opdjax-crc")
             pool = _pool
         futures = [pool.submit(crc_run, r) for r in runs[1:]]
@@ -184,8 +231,8 @@ class TensorEntry:
     scale_of: str | None = None      # on a scale: the weight it scales
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["shape"] = list(self.shape)
+        d = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "offset": self.offset,
+             "nbytes": self.nbytes, "crc32": self.crc32, "quant": self.quant, "scale_of": self.scale_of}
         return {k: v for k, v in d.items() if v is not None}
 
     @classmethod

@@ -56,12 +56,12 @@ import socket
 import struct
 import threading
 import time
-import zlib
+import weakref
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from opdjax.bridge.manifest import BridgeError, Manifest, crc32_combine
+from opdjax.bridge.manifest import BridgeError, Manifest, crc32, crc32_combine
 from opdjax.bridge.receiver import WeightReceiver, payload_views
 
 log = logging.getLogger("opdjax.bridge")
@@ -152,7 +152,7 @@ class _Region:
             return
         self.buf = np.zeros(0, np.uint8)
         if self.mm is not None:
-            self.mm.close()
+            _close_map(self.mm)
             self.mm = None
         if size != os.fstat(self.fd).st_size:
             os.ftruncate(self.fd, size)
@@ -180,9 +180,22 @@ class _Region:
 
     def close(self) -> None:
         self.buf = np.zeros(0, np.uint8)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
         if self.mm is not None:
-            self.mm.close()
+            _close_map(self.mm)
         os.close(self.fd)
+
+
+def _close_map(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a view is still alive (say, in a traceback's frame): unmapped when it goes
+        pass
+
+
+def _close_regions(regions: dict) -> None:
+    while regions:
+        regions.popitem()[1].close()
 
 
 class SnapshotTransport:
@@ -204,6 +217,7 @@ class SnapshotTransport:
             raise ValueError(f"spares must be >= 0, got {spares}")
         self.keep, self.spares = int(keep), int(spares)
         self._regions: dict[tuple[int, int], _Region] = {}  # files this writer has mapped, by (device, inode)
+        weakref.finalize(self, _close_regions, self._regions)
         self.last_stats: dict[str, Any] = {}
 
     def path(self, version: int) -> pathlib.Path:
@@ -232,8 +246,7 @@ class SnapshotTransport:
 
     def close(self) -> None:
         """Unmap the regions this writer holds (the published files stay)."""
-        for r in list(self._regions.values()):
-            self._forget(r)
+        _close_regions(self._regions)
 
     def _forget(self, region: _Region) -> None:
         if self._regions.pop(region.key, None) is not None:
@@ -261,11 +274,15 @@ class SnapshotTransport:
                 continue
             try:
                 os.rename(spare, tmp)
+            except OSError:  # another writer sharing the root took it first
+                r.unlock()
+                self._forget(r)
+                continue
+            try:
                 r.resize(size)
             except BaseException:
                 r.unlock()
                 self._forget(r)
-                shutil.rmtree(spare, ignore_errors=True)
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
             return r, True
@@ -303,6 +320,8 @@ class SnapshotWatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errors: list[str] = []
+        self._maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}  # (device, inode) -> (fd, read-only map)
+        weakref.finalize(self, SnapshotWatcher._close_maps, self._maps)
 
     def latest(self) -> int | None:
         vs = _versions(self.root)
@@ -330,8 +349,7 @@ class SnapshotWatcher:
                 manifest = Manifest.from_json((d / "manifest.json").read_text())
                 if manifest.version != v:
                     raise BridgeError(f"snapshot {d.name} holds manifest v{manifest.version}")
-                payload = (np.frombuffer(mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ),
-                                         np.uint8) if st.st_size else np.zeros(0, np.uint8))
+                payload = self._payload(fd, st)
             except FileNotFoundError as e:  # retired or recycled by the writer while we looked: try again later
                 raise self.receiver.refuse(f"snapshot v{v} disappeared while reading ({e.filename})") from None
             except BridgeError as e:
@@ -342,6 +360,39 @@ class SnapshotWatcher:
             if fd >= 0:
                 fcntl.flock(fd, fcntl.LOCK_UN)  # the mapping holds a dup of fd: release the lock explicitly
                 os.close(fd)
+
+    def _payload(self, fd: int, st: os.stat_result) -> np.ndarray:
+        """The payload file (open as `fd`, locked) as a read-only uint8 array.
+
+        The few files a writer cycles through stay mapped between polls (no page faults on the next read); maps of
+        files deleted since, or of a file whose size changed, are dropped.
+        """
+        for key, (mfd, mm) in list(self._maps.items()):
+            if os.fstat(mfd).st_nlink == 0 or (key == (st.st_dev, st.st_ino) and len(mm) != st.st_size):
+                del self._maps[key]
+                self._unmap(mfd, mm)
+        if not st.st_size:
+            return np.zeros(0, np.uint8)
+        key = (st.st_dev, st.st_ino)
+        if key not in self._maps:
+            while len(self._maps) >= 4:
+                self._unmap(*self._maps.pop(next(iter(self._maps))))
+            self._maps[key] = (os.dup(fd), mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+        return np.frombuffer(self._maps[key][1], np.uint8)
+
+    @staticmethod
+    def _unmap(fd: int, mm: mmap.mmap) -> None:
+        _close_map(mm)
+        os.close(fd)
+
+    @staticmethod
+    def _close_maps(maps: dict) -> None:
+        while maps:
+            SnapshotWatcher._unmap(*maps.popitem()[1])
+
+    def close(self) -> None:
+        """Drop the cached maps (`stop` calls this; so does garbage collection)."""
+        self._close_maps(self._maps)
 
     def start(self, interval: float = 0.05) -> "SnapshotWatcher":
         """Poll in a daemon thread; refusals are logged and kept in `errors`."""
@@ -361,6 +412,7 @@ class SnapshotWatcher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        self.close()
 
 
 # ----------------------------------------------------------------------------------------------------- TCP
@@ -402,6 +454,13 @@ def _recv_status(sock: socket.socket, what: str) -> dict:
 def _mac(token: str | bytes, nonce: bytes) -> bytes:
     key = token.encode() if isinstance(token, str) else bytes(token)
     return hmac.new(key, nonce, hashlib.sha256).digest()
+
+
+def _host_buffer(nbytes: int) -> np.ndarray:
+    """A uint8 buffer whose pages are allocated up front (one MAP_POPULATE call, not a page fault per 4 KiB)."""
+    if not nbytes or not _POPULATE:
+        return np.empty(nbytes, np.uint8)
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE), np.uint8)
 
 
 def _entry_views(manifest: Manifest, arrays: Iterable[Any]):
@@ -449,13 +508,13 @@ class TcpTransport:
                     raise BridgeError(f"{where} refused v{manifest.version}: {status.get('error')}")
                 for e, view in _entry_views(manifest, arrays):
                     if 0 < len(view) <= self.chunk:
-                        crc = e.crc32 if e.crc32 is not None else zlib.crc32(view)
+                        crc = e.crc32 if e.crc32 is not None else crc32(view)
                         sock.sendall(_CHUNK_HDR.pack(len(view), crc & 0xFFFFFFFF))
                         sock.sendall(view)
                         continue
                     for i in range(0, len(view), self.chunk):
                         part = view[i:i + self.chunk]
-                        sock.sendall(_CHUNK_HDR.pack(len(part), zlib.crc32(part) & 0xFFFFFFFF))
+                        sock.sendall(_CHUNK_HDR.pack(len(part), crc32(part)))
                         sock.sendall(part)
                 sock.sendall(_CHUNK_HDR.pack(0, 0))
                 status = _recv_status(sock, "the final status")
@@ -582,7 +641,7 @@ class TcpReceiverServer:
         t0 = time.perf_counter()
         if self._buf.size != manifest.total_bytes:
             self._buf = np.zeros(0, np.uint8)
-            self._buf = np.empty(manifest.total_bytes, np.uint8)
+            self._buf = _host_buffer(manifest.total_bytes)
         payload = self._buf
         try:
             self._stream(conn, manifest, payload)
@@ -629,7 +688,7 @@ class TcpReceiverServer:
                         stop = min(seg_end, got + SLICE)
                         part = view[got:stop]
                         _recv_into(conn, part, f"chunk at byte {start}")
-                        seg_crc = zlib.crc32(part, seg_crc)
+                        seg_crc = crc32(part, seg_crc)
                         got = stop
                     chunk_crc = crc32_combine(chunk_crc, seg_crc, seg_end - seg_start)
                     tensor_crc[ti] = crc32_combine(tensor_crc[ti], seg_crc, seg_end - seg_start)

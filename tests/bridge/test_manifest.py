@@ -142,3 +142,25 @@ def test_validate_accepts_a_good_manifest_and_spec_lists_every_tensor(cfg, param
     assert spec.shapes["model.layers.0.mlp.up_proj.weight"] == (cfg.intermediate_size, cfg.hidden_size)
     with pytest.raises(BridgeError, match="dtype BF16, expected F32"):
         validate(m, ModelSpec.from_config(cfg, "float32"))
+
+
+def test_crc32_helpers_equal_zlib_for_any_split_and_thread_count(monkeypatch):
+    import zlib
+
+    from opdjax.bridge import manifest as M
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 100, (16 << 10) - 1, 16 << 10, (1 << 20) + 3):
+        b = rng.integers(0, 256, n, dtype=np.uint8)
+        assert M.crc32(b) == M.crc32(memoryview(b)) == M.crc32(b.tobytes()) == zlib.crc32(b)
+        assert M.crc32(b, 0xDEADBEEF) == zlib.crc32(b, 0xDEADBEEF)
+    for _ in range(50):
+        a, b = (rng.integers(0, 256, rng.integers(0, 3000), dtype=np.uint8).tobytes() for _ in range(2))
+        assert M.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    bufs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 7, 3 << 20, 5 << 20, 1 << 20, 12345)]
+    bufs.append(rng.standard_normal((64, 48)).astype(np.float32).T)  # not contiguous
+    want = [zlib.crc32(np.ascontiguousarray(b).tobytes()) for b in bufs]
+    monkeypatch.setattr(M, "PIECE", 1 << 20)  # big buffers are cut into pieces and recombined
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("OPDJAX_BRIDGE_CRC_THREADS", threads)
+        assert M.checksum_many(bufs) == want

@@ -125,6 +125,43 @@ def test_concurrent_reader_sees_complete_versions_or_nothing(tmp_path, cfg, para
     assert target.applied == sorted(target.applied)
 
 
+def test_a_version_being_applied_is_never_recycled_under_the_reader(tmp_path, cfg, params):
+    """keep=1: each publish retires the previous version as a spare whose shared memory the next one refills.
+    While the engine applies v2 (its watcher holds v2's file), two more publishes go by: v3 refills v1's retired
+    file; v4 finds v2's file still held and takes fresh memory; the arrays being applied do not change."""
+    tr = SnapshotTransport(tmp_path, keep=1)
+    pub = Publisher(cfg, tr, dtype="bfloat16")
+    seen = {}
+
+    class PublishesWhileApplying(ArrayTarget):
+        def apply_weights(self, named, version):
+            named = list(named)
+            if version == 2:
+                before = {n: np.array(a) for n, a in named}
+                pub.publish(params[3], 3)
+                seen[3] = tr.last_stats["recycled"]
+                pub.publish(params[0], 4)
+                seen[4] = tr.last_stats["recycled"]
+                seen["unchanged"] = all(np.array_equal(np.asarray(a).view(np.uint16), before[n].view(np.uint16))
+                                        for n, a in named)
+            super().apply_weights(named, version)
+
+    target = PublishesWhileApplying(0)
+    watcher = SnapshotWatcher(tmp_path, WeightReceiver(target, ModelSpec.from_config(cfg, "bfloat16")))
+    pub.publish(params[1], 1)
+    assert tr.last_stats["recycled"] is False
+    pub.publish(params[2], 2)
+    assert watcher.poll() == 2 and _same(target, cfg, params[2])
+    assert seen == {3: True, 4: False, "unchanged": True}
+    assert watcher.poll() == 4 and _same(target, cfg, params[0])
+    pub.publish(params[1], 5)  # v4's predecessor v3 was retired and is free again
+    assert tr.last_stats["recycled"] is True
+    assert watcher.poll() == 5 and _same(target, cfg, params[1])
+    assert target.applied == [2, 4, 5]
+    watcher.close()
+    tr.close()
+
+
 # ----------------------------------------------------------------------------------------------------- TCP
 
 def _client(port, token, manifest_blob):
@@ -211,6 +248,40 @@ def test_tcp_corrupt_chunk_is_refused(cfg, params, rx):
         s.close()
     assert not final["ok"] and "corrupt chunk at byte 0" in final["error"]
     assert target.applied == []
+
+
+def _odd_chunks(payload: bytes, size: int) -> bytes:
+    """The payload cut into `size`-byte chunks (straddling tensors), each with its own CRC-32, and the end mark."""
+    import zlib
+
+    out = [T._CHUNK_HDR.pack(len(payload[i:i + size]), zlib.crc32(payload[i:i + size])) + payload[i:i + size]
+           for i in range(0, len(payload), size)]
+    return b"".join(out) + T._CHUNK_HDR.pack(0, 0)
+
+
+def test_tcp_every_tensor_is_checked_against_the_manifest_whatever_the_chunking(cfg, params, rx):
+    """Chunks that straddle tensors: the server combines per-segment CRC-32s into each tensor's; a manifest CRC
+    that disagrees with the (chunk-consistent) bytes is refused, the right one applies."""
+    import dataclasses
+
+    target, receiver = rx
+    m, arrays = prepare(cfg, params[1], 1, dtype="bfloat16")
+    payload = b"".join(np.asarray(a).tobytes() for a in arrays)
+    bad = dataclasses.replace(m, entries=tuple(dataclasses.replace(e, crc32=e.crc32 ^ 1) if i == 4 else e
+                                               for i, e in enumerate(m.entries)))
+    with TcpReceiverServer(receiver, TOKEN) as srv:
+        s, status = _client(srv.port, TOKEN, bad.to_json().encode())
+        assert status["ok"]
+        s.sendall(_odd_chunks(payload, 1000))
+        final = T._recv_status(s, "final")
+        s.close()
+        assert not final["ok"] and f"checksum mismatch on tensor {m.entries[4].name!r}" in final["error"]
+        assert "keeps serving v0" in final["error"] and target.applied == []
+        s, status = _client(srv.port, TOKEN, m.to_json().encode())
+        s.sendall(_odd_chunks(payload, 777))
+        final = T._recv_status(s, "final")
+        s.close()
+    assert final["ok"] and target.version == 1 and _same(target, cfg, params[1])
 
 
 def test_receiver_restart_mid_transfer_fails_clearly_and_republish_works(cfg, params, rx):

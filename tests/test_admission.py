@@ -1,0 +1,266 @@
+"""Admission check, recipe search and capacity accounting: verdict logic, exit codes, greedy search with a fake
+probe whose M is a known function of the recipe, vLLM settings, capacity vs closed form, and one real probe on
+tiny random models."""
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+
+from opdjax import admission, quant
+from opdjax.admission import AdmissionError, Budget
+from opdjax.models.tiny import tiny_config
+
+
+# ------------------------------------------------------------------------------------------------------ fakes
+
+
+@dataclasses.dataclass
+class FakeResult:
+    metric: str
+    m: float
+    ci_low: float
+    ci_high: float
+    metrics: dict
+    seconds: float = 0.01
+    tokens: int = 100
+
+
+MCFG = tiny_config("qwen3", "small")  # 4 layers
+
+
+def fake_m(cfg) -> float:
+    """M of the engine config: each FP8-quantized layer i adds 0.01 * 2**-i, the FP8 KV cache adds 0.004,
+    weight noise sigma adds sigma; known, additive, and independent of sampling."""
+    r = cfg.rollout
+    recipe = quant.as_recipe(r.recipe)
+    m = r.weight_noise
+    for i in range(MCFG.num_layers):
+        if quant.module_spec(recipe, f"model.layers.{i}.mlp.down_proj") is not None:
+            m += 0.01 * 2.0 ** -i
+    if recipe.kv_cache is not None:
+        m += 0.004
+    return m
+
+
+class FakeProbe:
+    def __init__(self, half_width=0.1):
+        self.calls = []
+        self.half_width = half_width
+
+    def __call__(self, cfg, *, batches=4, metric="k3", seed=0, log=print):
+        self.calls.append(cfg)
+        m = fake_m(cfg)
+        return FakeResult(metric, m, m * (1 - self.half_width), m * (1 + self.half_width), {metric: m})
+
+
+def write_budget(tmp_path, **d):
+    p = tmp_path / "budget.json"
+    p.write_text(json.dumps({"metric": "k3", "budget": 0.01, "delta": 0.25, "points": [], **d}))
+    return str(p)
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="opdjax")
+    sub = p.add_subparsers(dest="command", required=True)
+    admission.add_admission_commands(sub)
+    return p
+
+
+def run_cli(argv, monkeypatch, probe=None):
+    if probe is not None:
+        monkeypatch.setattr(admission, "_default_probe", lambda: probe)
+    args = parser().parse_args(argv)
+    return args.func(args)
+
+
+# ------------------------------------------------------------------------------------------------------ verdict
+
+
+@pytest.mark.parametrize("lo,hi,v", [(0.001, 0.009, "ADMIT"), (0.001, 0.01, "ADMIT"), (0.011, 0.02, "REJECT"),
+                                     (0.005, 0.02, "UNCERTAIN"), (0.01, 0.02, "UNCERTAIN"),
+                                     (float("nan"), float("nan"), "UNCERTAIN")])
+def test_verdict_compares_the_whole_ci_with_the_budget(lo, hi, v):
+    assert admission.verdict(lo, hi, 0.01) == v
+
+
+def test_exit_code_is_zero_only_when_every_candidate_is_admitted():
+    row = lambda v: admission.AdmitRow("c", [], "k3", 0, 0, 0, 1, v, 0, 0)  # noqa: E731
+    assert admission.exit_code([row("ADMIT"), row("ADMIT")]) == 0
+    assert admission.exit_code([row("ADMIT"), row("UNCERTAIN")]) == 1
+    assert admission.exit_code([row("REJECT")]) == 1
+    assert admission.exit_code([]) == 1
+
+
+def test_split_candidate_keeps_mappings_whole_and_rejects_garbage():
+    assert admission.split_candidate("rollout.weight_noise=0.05,rollout.stale_versions=1") == [
+        "rollout.weight_noise=0.05", "rollout.stale_versions=1"]
+    assert admission.split_candidate("rollout.engine=vllm,rollout.vllm={kv_cache_dtype: fp8, max_num_seqs: 8}") == [
+        "rollout.engine=vllm", "rollout.vllm={kv_cache_dtype: fp8, max_num_seqs: 8}"]
+    for bad in ("", "rollout.recipe", "a=1,,b=2", "x={a: 1", "=3"):
+        with pytest.raises(AdmissionError):
+            admission.split_candidate(bad)
+
+
+def test_load_budget_errors_name_the_problem(tmp_path):
+    with pytest.raises(AdmissionError, match="does not exist"):
+        admission.load_budget(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(AdmissionError, match="not valid JSON"):
+        admission.load_budget(bad)
+    bad.write_text(json.dumps({"metric": "k3"}))
+    with pytest.raises(AdmissionError, match="missing key"):
+        admission.load_budget(bad)
+    bad.write_text(json.dumps({"metric": "k3", "budget": "big"}))
+    with pytest.raises(AdmissionError, match="finite number"):
+        admission.load_budget(bad)
+    b = admission.load_budget(write_budget(tmp_path, budget=0.02))
+    assert (b.metric, b.budget, b.delta) == ("k3", 0.02, 0.25)
+
+
+# ------------------------------------------------------------------------------------------------------ admit CLI
+
+
+def test_admit_cli_verdicts_report_and_exit_codes(tmp_path, monkeypatch, capsys):
+    budget = write_budget(tmp_path, budget=0.01)
+    out = tmp_path / "report.json"
+    probe = FakeProbe()
+    # noise 0.005 -> [0.0045, 0.0055] ADMIT; 0.02 -> REJECT; 0.0095 -> [0.00855, 0.01045] UNCERTAIN
+    rc = run_cli(["admit", "--budget", budget, "--out", str(out), "rollout.weight_noise=0.005",
+                  "rollout.weight_noise=0.02", "rollout.weight_noise=0.0095,rollout.stale_versions=1"],
+                 monkeypatch, probe)
+    assert rc == 1
+    rep = json.loads(out.read_text())
+    assert [c["verdict"] for c in rep["candidates"]] == ["ADMIT", "REJECT", "UNCERTAIN"]
+    assert rep["candidates"][2]["overrides"] == ["rollout.weight_noise=0.0095", "rollout.stale_versions=1"]
+    assert probe.calls[2].rollout.stale_versions == 1
+    assert {"candidate", "m", "ci_low", "ci_high", "verdict", "seconds"} <= set(rep["candidates"][0])
+    assert "UNCERTAIN" in capsys.readouterr().out
+    assert run_cli(["admit", "--budget", budget, "rollout.weight_noise=0.001"], monkeypatch, probe) == 0
+
+
+def test_admit_cli_usage_errors_exit_2(tmp_path, monkeypatch, capsys):
+    probe = FakeProbe()
+    assert run_cli(["admit", "--budget", str(tmp_path / "missing.json"), "rollout.weight_noise=0.1"],
+                   monkeypatch, probe) == 2
+    budget = write_budget(tmp_path)
+    assert run_cli(["admit", "--budget", budget, "rollout.wieght_noise=0.1"], monkeypatch, probe) == 2
+    assert "did you mean 'rollout.weight_noise'" in capsys.readouterr().err
+    assert run_cli(["admit", "--budget", budget, "rollout.recipe=fp9"], monkeypatch, probe) == 2
+    assert probe.calls == []  # nothing probed: every candidate is validated first
+
+
+# ------------------------------------------------------------------------------------------------------ recipes
+
+
+def test_unit_recipes_quantize_exactly_their_modules():
+    mods = admission._linear_modules(MCFG)
+    for by in ("layer", "module", "group", "layer-group"):
+        us = admission.units(MCFG.num_layers, by)
+        covered = []
+        for u in us[:-1]:
+            r = admission.unit_recipe(u)
+            q = [m for m in mods if quant.module_spec(r, m) is not None]
+            assert q and r.activations is not None and r.kv_cache is None
+            covered += q
+        assert sorted(covered) == sorted(mods)  # the units partition the decoder linears
+        assert us[-1].kv and admission.unit_recipe(us[-1]).kv_cache is not None
+    full = admission.full_fp8_recipe()
+    ref = quant.RECIPES["fp8_w8a8_kv"]
+    assert all(quant.module_spec(full, m) == quant.module_spec(ref, m) for m in mods + ["lm_head"])
+    assert (full.activations, full.kv_cache, full.kv_scale) == (ref.activations, ref.kv_cache, ref.kv_scale)
+
+
+def test_vllm_settings_list_kept_modules_and_refuse_split_fused_layers():
+    keep = [u for u in admission.units(MCFG.num_layers, "layer") if u.label == "layer0"]
+    s = admission.vllm_settings(MCFG, admission.full_fp8_recipe(keep))
+    assert s["quantization"] == "fp8_per_tensor" and s["kv_cache_dtype"] == "fp8"
+    assert sorted(s["quantization_config"]["ignore"]) == sorted(
+        m for m in admission._linear_modules(MCFG) if m.startswith("model.layers.0."))
+    split = admission.full_fp8_recipe([admission.Unit("q0", ("model.layers.0.self_attn.q_proj",))])
+    with pytest.raises(AdmissionError, match="fused qkv"):
+        admission.vllm_settings(MCFG, split)
+    assert admission.vllm_settings(MCFG, quant.RECIPES["none"]) == {"kv_cache_dtype": "auto"}
+
+
+def test_recipe_search_keeps_sensitive_layers_and_its_recipe_is_admitted(tmp_path, monkeypatch):
+    budget = Budget("k3", 0.01, 0.25)
+    probe = FakeProbe(half_width=0.05)
+    cfg = admission.candidate_config(None, [])
+    res = admission.recipe_search(cfg, budget, margin=0.8, probe_fn=probe, mcfg=MCFG, log=lambda s: None)
+    # full FP8: 0.01875 + 0.004. Keeping layer0 (0.01) leaves 0.01275 > 0.008; + layer1 -> 0.00775 fits;
+    # re-quantizing layer0 alone does not fit (0.01275), so both stay; the KV cache stays FP8.
+    assert res.fits and res.kept == ["layer0", "layer1"]
+    assert res.m == pytest.approx(0.00775)
+    assert res.capacity["ratio"] > 1.9
+    paths = admission.write_search(res, budget, 0.8, tmp_path / "rs")
+    loaded = quant.Recipe.from_dict(json.loads(open(paths["recipe"]).read()))
+    assert loaded == res.recipe
+    vllm = json.loads(open(paths["vllm"]).read())
+    assert all(m.startswith(("model.layers.0.", "model.layers.1.")) for m in vllm["quantization_config"]["ignore"])
+    # the written file is usable as rollout.recipe and admitted with the same budget
+    bfile = write_budget(tmp_path, budget=0.01)
+    assert run_cli(["admit", "--budget", bfile, f"rollout.recipe={paths['recipe']}"], monkeypatch, FakeProbe()) == 0
+
+
+def test_recipe_search_gives_back_units_that_are_not_needed():
+    """Greedy by sensitivity keeps layer0 then the KV cache; once it fits, layer0 is re-quantized if M allows."""
+    budget = Budget("k3", 0.03, None)
+    res = admission.recipe_search(admission.candidate_config(None, []), budget, margin=0.8, probe_fn=FakeProbe(0.0),
+                                  mcfg=MCFG, log=lambda s: None)
+    assert res.fits and res.kept == [] and res.m == pytest.approx(0.02275)
+    b2 = Budget("k3", 0.0225, None)  # target 0.018: keep layer0 -> 0.01275 fits, nothing to give back
+    res2 = admission.recipe_search(admission.candidate_config(None, []), b2, margin=0.8, probe_fn=FakeProbe(0.0),
+                                   mcfg=MCFG, log=lambda s: None)
+    assert res2.kept == ["layer0"]
+
+
+# ------------------------------------------------------------------------------------------------------ capacity
+
+
+def test_capacity_matches_closed_form():
+    mcfg = admission.model_config("llama3-8b")
+    mem = 80 * 2**30
+    E, F, L, V = 4096, 14336, 32, 128256
+    linear = L * (E * 4096 + 2 * E * 1024 + 4096 * E + 3 * E * F)  # q, k, v, o, gate, up, down
+    other = 2 * V * E + L * 2 * E + E  # embed + lm_head, norms, final norm
+    bf16_w = 2 * (linear + other)
+    fp8_w = linear + 4 * 7 * L + 2 * other  # one f32 scale per tensor
+    bf16_tok = (mem - bf16_w) // (2 * L * 8 * 128 * 2)
+    fp8_tok = (mem - fp8_w) // (2 * L * 8 * 128 * 1)
+    rep = admission.capacity_report(mcfg, quant.RECIPES["fp8_w8a8_kv"], mem)
+    assert rep["bf16"]["weight_bytes"] == bf16_w and rep["recipe_side"]["weight_bytes"] == fp8_w
+    assert rep["bf16"]["kv_tokens"] == bf16_tok and rep["recipe_side"]["kv_tokens"] == fp8_tok
+    assert rep["ratio"] == pytest.approx(fp8_tok / bf16_tok) and rep["ratio"] >= 1.93
+
+
+def test_capacity_cli_and_bad_model(monkeypatch, capsys):
+    assert run_cli(["capacity", "--model", "qwen3-8b", "--memory-gb", "80"], monkeypatch) == 0
+    assert "capacity ratio" in capsys.readouterr().out
+    assert run_cli(["capacity", "--model", "no-such-model"], monkeypatch) == 2
+    assert run_cli(["capacity", "--model", "small", "--recipe", "fp9"], monkeypatch) == 2
+
+
+# ------------------------------------------------------------------------------------------------------ real probe
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from opdjax.models.tiny import load_tokenizer, make_tiny
+
+    root = tmp_path_factory.mktemp("pair")
+    student = make_tiny(root / "student", "qwen3", "tiny", seed=1, corpus=["12+34=46", "7+8=15"])
+    teacher = make_tiny(root / "teacher", "qwen3", "tiny", seed=2, tokenizer=load_tokenizer(student))
+    return str(student), str(teacher)
+
+
+def test_admit_with_the_real_probe_orders_clean_below_fp8(pair, tmp_path):
+    glob = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
+            "rollout.max_new_tokens=4", "pipeline.progress=false", "pipeline.tensorboard=false"]
+    rows = admission.admit(["rollout.recipe=none", "rollout.recipe=fp8_w8a8_kv"], Budget("k3", 1e-6), overrides=glob,
+                           batches=2, log=lambda s: None)
+    assert rows[0].verdict == "ADMIT" and rows[0].m < 1e-6
+    assert rows[1].m > rows[0].m and rows[1].verdict in ("REJECT", "UNCERTAIN")
+    assert admission.exit_code(rows) == 1
