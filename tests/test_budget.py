@@ -173,7 +173,8 @@ def test_study_fits_the_knee_and_reports_rl_and_correction_phenomena(pair, tmp_p
     _fake_runs(monkeypatch)
     # RKL = 1 + 100 sigma^2: q_loss = 100 sigma^2 -> 0.01, 0.09, 0.25, 1.0 for sigma = 0.01, 0.03, 0.05, 0.1.
     study = _study(pair, tmp_path / "fake", "seeds=[0, 1]", "weight_noise=[0, 0.01, 0.03, 0.05, 0.1]",
-                   "staleness=[]", "delta=0.2", "rl.weight_noise=[0.1]", "rl.common={optim: {lr: 0.0003}}", "shift.correction_noise=0.07",
+                   "staleness=[]", "delta=0.2", "rl.weight_noise=[0.1]", "rl.common={optim: {lr: 0.0003}}",
+                   "shift.correction_noise=0.07",
                    "shift.corrections=[token_tis, token_mis]")
     out = budget.run_study(study, log=lambda s: None)
     assert out["budget"] == pytest.approx(0.03 ** 2)
