@@ -208,8 +208,14 @@ SMALL_OVERRIDES = [
 
 def load_study(path: str | pathlib.Path | None = None, overrides: Sequence[str] = (), *,
                small: bool = False) -> StudyConfig:
-    """Defaults <- YAML <- (--small) <- key=value overrides, validated (ConfigError on bad keys or values)."""
-    return load(StudyConfig, path, [*(SMALL_OVERRIDES if small else []), *overrides])
+    """Defaults <- YAML <- (--small) <- key=value overrides, validated (ConfigError on bad keys or values).
+
+    `small` writes to `<out_dir>_small` unless `out_dir=` is overridden, so it never replaces a full study's results.
+    """
+    study = load(StudyConfig, path, [*(SMALL_OVERRIDES if small else []), *overrides])
+    if small and not any(o.startswith("out_dir=") for o in overrides):
+        study.out_dir = study.out_dir.rstrip("/") + "_small"
+    return study
 
 
 # ----------------------------------------------------------------------------------------------------- points
@@ -447,13 +453,7 @@ def aggregate(point: Point, recs: Sequence[Mapping], baseline: Mapping[str, floa
                   for r, q in zip(recs, losses)],
         "seconds": float(sum(r["probe_seconds"] + r["train_seconds"] for r in recs)),
     }
-    if point.probe and study_metric_key(recs) != "k3":
-        row["m_probe_metric"] = study_metric_key(recs)
     return row
-
-
-def study_metric_key(recs) -> str:
-    return recs[0]["metric"] if recs else "k3"
 
 
 # ----------------------------------------------------------------------------------------------------- prefix shift
@@ -768,9 +768,11 @@ def summary_markdown(result: Mapping[str, Any]) -> str:
          f"**Budget B = {result['budget']:.4g}** ({result['metric']} of engine vs learner on sampled tokens, measured "
          f"by the admission probe) at tolerance delta = {result['delta']}.", "",
          f"Quality loss: {result['quality']}. A point is within tolerance iff its *mean* loss over seeds "
-         f"({len(s['seeds'])}: {s['seeds']}) is ≤ delta; B is the largest M reached walking the points in increasing M "
+         f"({len(s['seeds'])}: {s['seeds']}) is ≤ delta; B is the largest M reached walking the points in increasing "
+         "M "
          "until the first point outside the tolerance (conservative: later points never raise B).", "",
-         f"Runs: OPD ({base_cfg['loss']['name']}), {base_cfg['pipeline']['steps']} steps, lr {base_cfg['optim']['lr']}, "
+         f"Runs: OPD ({base_cfg['loss']['name']}), {base_cfg['pipeline']['steps']} steps, "
+         f"lr {base_cfg['optim']['lr']}, "
          f"batch {base_cfg['rollout']['batch_size']}, task {base_cfg['task']['name']}. Baseline (no mismatch): "
          f"held-out reverse KL {b['initial_reverse_kl']:.2f} → {b['reverse_kl']:.3f} (seeds "
          f"{', '.join(f'{x:.3f}' for x in b['reverse_kl_seeds'])}), accuracy {b['initial_accuracy']:.2f} → "
@@ -790,7 +792,8 @@ def summary_markdown(result: Mapping[str, Any]) -> str:
         rv = ph["rl_vs_opd"]
         L += ["", "## (a) OPD versus the RL baseline under weight noise", "",
               f"RL = task-reward policy gradient with overrides `{json.dumps(rv['overrides'])}`"
-              + (f"; both methods with `{json.dumps(rv['common'])}`" if rv.get("common") else "; OPD = the sweep's runs")
+              + (f"; both methods with `{json.dumps(rv['common'])}`" if rv.get("common")
+                 else "; OPD = the sweep's runs")
               + ". Each method is compared with its own noise-free run (same seeds, same steps).", "",
               "| sigma | M probe | OPD RKL | OPD acc | OPD acc drop | OPD RKL rel. increase | RL acc | RL acc drop | "
               "RL reward (last 10%) | RL RKL rel. increase | non-finite steps (OPD/RL) |",
@@ -801,14 +804,16 @@ def summary_markdown(result: Mapping[str, Any]) -> str:
                      f"{_f(o.get('accuracy'), '.3f')} | {_f(o.get('accuracy_drop'), '+.3f')} | "
                      f"{_f(o.get('reverse_kl_rel_increase'), '+.2f')} | {r['accuracy']:.3f} | "
                      f"{r['accuracy_drop']:+.3f} | {_f(r['reward_last'], '.3f')} | "
-                     f"{r['reverse_kl_rel_increase']:+.2f} | {o.get('nonfinite_steps', '–')}/{r['nonfinite_steps']} |")
+                     f"{r['reverse_kl_rel_increase']:+.2f} | "
+                     f"{o.get('nonfinite_steps', '–')}/{r['nonfinite_steps']} |")
         L += ["", _rl_verdict(rv)]
     if "prefix_shift" in ph:
         sh = ph["prefix_shift"]
         L += ["", "## (b) Prefix shift under weight noise", "",
               "Clean and perturbed engines sample the same held-out prompts with the same seed (same per-row keys), "
               "so completions coincide until the perturbation flips a sample. first div = mean first differing "
-              "completion position among diverged rows; seq KL = mean Σ_t (log mu − log pi) on the perturbed samples."]
+              "completion position among diverged rows; seq KL = mean Σ_t (log mu − log pi) on the perturbed "
+              "samples."]
         for which, tab in sh.items():
             if which == "seconds":
                 continue
@@ -829,8 +834,9 @@ def summary_markdown(result: Mapping[str, Any]) -> str:
         for t in c["rows"]:
             if "reverse_kl" not in t:
                 continue
-            L.append(f"| {t['correction']} | {t['reverse_kl']:.3f} ({', '.join(f'{x:.2f}' for x in t['reverse_kl_seeds'])})"
-                     f" | {t['accuracy']:.3f} ({', '.join(f'{x:.2f}' for x in t['accuracy_seeds'])}) | "
+            rkl_seeds = ", ".join(f"{x:.2f}" for x in t["reverse_kl_seeds"])
+            acc_seeds = ", ".join(f"{x:.2f}" for x in t["accuracy_seeds"])
+            L.append(f"| {t['correction']} | {t['reverse_kl']:.3f} ({rkl_seeds}) | {t['accuracy']:.3f} ({acc_seeds}) | "
                      f"{t['q_loss']:+.3f} | {_f(t.get('m_train'))} |")
         L += ["", _corr_verdict(c, result["delta"])]
     tm = result["timing"]

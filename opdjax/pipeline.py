@@ -14,6 +14,7 @@ import dataclasses
 import json
 import pathlib
 import queue
+import shutil
 import threading
 import time
 from typing import Any, Callable
@@ -295,6 +296,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any
     state = run.learner.init(run.params)
     stream = PromptStream(run.task, seed=cfg.seed)
     start, dropped, initial_eval = 0, 0, None
+    if not pc.resume and ckpt_dir.exists() and jax.process_index() == 0:
+        shutil.rmtree(ckpt_dir)  # a fresh run replaces the old run's checkpoints (resume=true continues them)
     if pc.resume and latest_step(ckpt_dir) is not None:
         state, extra = restore_checkpoint(ckpt_dir, state)
         start, dropped = int(extra["step"]), int(extra["dropped"])
@@ -368,7 +371,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any
         if bar is not None:
             bar.close()
         logger.close()
-    checkpoint(step)
+    if latest_step(ckpt_dir) != step:
+        checkpoint(step)
     final_dir = run.out_dir / "student_final"
     if jax.process_index() == 0:
         hf.save_model(final_dir, run.student_cfg, state.params)

@@ -57,6 +57,13 @@ def test_simulated_fp8_engine_shows_mismatch(pair, tmp_path):
     assert all("corr/is_frac_capped" in x for x in steps)
 
 
+def test_a_second_run_into_the_same_out_dir_replaces_the_first(pair, tmp_path):
+    pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=2"), log=lambda s: None)
+    pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=2"), log=lambda s: None)  # no StepAlreadyExists
+    pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=2", "pipeline.resume=true"), log=lambda s: None)  # no-op
+    assert latest_step(tmp_path / "run" / "checkpoints") == 2
+
+
 def test_resume_continues_exactly_where_the_run_stopped(pair, tmp_path):
     straight = tmp_path / "straight"
     straight.mkdir()
