@@ -170,7 +170,7 @@ def register_recipe_file(path: str | pathlib.Path) -> str:
     except yaml.YAMLError as e:
         raise AdmissionError(f"recipe file {p} is not valid JSON/YAML ({e})") from e
     try:
-        quant.RECIPES[key] = quant.Recipe.from_dict(d)
+        quant.RECIPES[key] = dataclasses.replace(quant.Recipe.from_dict(d), name=key)
     except quant.RecipeError as e:
         raise AdmissionError(f"recipe file {p}: {e}") from e
     return key
@@ -328,8 +328,9 @@ def full_fp8_recipe(keep: Sequence[Unit] = (), name: str = "fp8_search") -> quan
 
 
 def _register(recipe: quant.Recipe) -> str:
+    """Make an in-memory recipe addressable as `rollout.recipe` (registry invariant: key == recipe.name)."""
     key = f"admission:{recipe.name}"
-    quant.RECIPES[key] = recipe
+    quant.RECIPES[key] = dataclasses.replace(recipe, name=key)
     return key
 
 
