@@ -51,8 +51,8 @@ from typing import Any, Callable, Mapping, Sequence
 from opdjax import quant
 
 __all__ = [
-    "AdmissionError", "Budget", "load_budget", "verdict", "split_candidate", "register_recipe_file",
-    "resolve_recipe_files", "candidate_config", "AdmitRow", "admit", "format_admit_table", "exit_code",
+    "AdmissionError", "Budget", "load_budget", "verdict", "split_candidate",
+    "candidate_config", "AdmitRow", "admit", "format_admit_table", "exit_code",
     "Unit", "units", "unit_recipe", "full_fp8_recipe", "sensitivity", "SearchResult", "recipe_search",
     "vllm_settings", "capacity_report", "model_config", "PRESET_MODELS", "add_admission_commands",
 ]
@@ -153,45 +153,11 @@ def split_candidate(text: str) -> list[str]:
 _RECIPE_SUFFIXES = (".json", ".yaml", ".yml")
 
 
-def register_recipe_file(path: str | pathlib.Path) -> str:
-    """Load a recipe file (JSON/YAML, `Recipe.from_dict` schema) and register it in `quant.RECIPES` under its path.
-
-    Returns the registry key (the path as given), usable as `rollout.recipe`. Re-registering the same path
-    replaces the entry (the file may have changed).
-    """
-    import yaml
-
-    key = str(path)
-    p = pathlib.Path(path)
-    if not p.is_file():
-        raise AdmissionError(f"recipe file {p} does not exist")
-    try:
-        d = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise AdmissionError(f"recipe file {p} is not valid JSON/YAML ({e})") from e
-    try:
-        quant.RECIPES[key] = dataclasses.replace(quant.Recipe.from_dict(d), name=key)
-    except quant.RecipeError as e:
-        raise AdmissionError(f"recipe file {p}: {e}") from e
-    return key
-
-
-def resolve_recipe_files(overrides: Sequence[str]) -> list[str]:
-    """Register every `rollout.recipe=FILE` override's file (see module docstring); overrides come back unchanged."""
-    for item in overrides:
-        key, _, value = item.partition("=")
-        value = value.strip()
-        if key.strip() == "rollout.recipe" and value not in quant.RECIPES and value.endswith(_RECIPE_SUFFIXES):
-            register_recipe_file(value)
-    return list(overrides)
-
-
 def candidate_config(config: str | None, overrides: Sequence[str], candidate: Sequence[str] = ()):
     """TrainConfig = defaults <- config file <- global overrides <- candidate overrides (validated)."""
     from opdjax.config import TrainConfig, load
 
-    items = resolve_recipe_files([*overrides, *candidate])
-    return load(TrainConfig, config, items)
+    return load(TrainConfig, config, [*overrides, *candidate])  # recipe files load through quant.as_recipe
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -607,10 +573,8 @@ def model_config(spec: str):
 def recipe_arg(spec: str | None) -> quant.Recipe | None:
     if spec is None:
         return None
-    if spec in quant.RECIPES:
-        return quant.RECIPES[spec]
-    if spec.endswith(_RECIPE_SUFFIXES):
-        return quant.RECIPES[register_recipe_file(spec)]
+    if spec in quant.RECIPES or spec.endswith(_RECIPE_SUFFIXES):
+        return quant.as_recipe(spec)
     raise AdmissionError(f"--recipe {spec!r}: not a preset ({sorted(quant.RECIPES)}) nor a .json/.yaml recipe file")
 
 

@@ -38,3 +38,14 @@ def vllm_module():
             pytest.fail(msg + " and OPDJAX_REQUIRE_VLLM=1")
         pytest.skip(msg)
     return vllm
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory):
+    """(student_dir, teacher_dir): tiny random qwen3 models sharing one locally trained tokenizer."""
+    from opdjax.models.tiny import load_tokenizer, make_tiny
+
+    root = tmp_path_factory.mktemp("pair")
+    student = make_tiny(root / "student", "qwen3", "tiny", seed=1, corpus=["12+34=46", "7+8=15"])
+    teacher = make_tiny(root / "teacher", "qwen3", "tiny", seed=2, tokenizer=load_tokenizer(student))
+    return str(student), str(teacher)

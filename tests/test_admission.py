@@ -246,16 +246,6 @@ def test_capacity_cli_and_bad_model(monkeypatch, capsys):
 # ------------------------------------------------------------------------------------------------------ real probe
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    from opdjax.models.tiny import load_tokenizer, make_tiny
-
-    root = tmp_path_factory.mktemp("pair")
-    student = make_tiny(root / "student", "qwen3", "tiny", seed=1, corpus=["12+34=46", "7+8=15"])
-    teacher = make_tiny(root / "teacher", "qwen3", "tiny", seed=2, tokenizer=load_tokenizer(student))
-    return str(student), str(teacher)
-
-
 def test_admit_with_the_real_probe_orders_clean_below_fp8(pair, tmp_path):
     glob = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
             "rollout.max_new_tokens=4", "pipeline.progress=false", "pipeline.tensorboard=false"]

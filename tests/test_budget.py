@@ -7,7 +7,6 @@ import pytest
 
 from opdjax import budget
 from opdjax.config import ConfigError
-from opdjax.models.tiny import load_tokenizer, make_tiny
 
 
 # ----------------------------------------------------------------------------------------------------- pure fit
@@ -78,15 +77,6 @@ def test_load_budget_rejects_missing_and_malformed_files(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------- end to end
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    student = make_tiny(root / "student", "qwen3", "tiny", seed=1, corpus=["12+34=46", "7+8=15"])
-    tok = load_tokenizer(student)
-    teacher = make_tiny(root / "teacher", "qwen3", "tiny", seed=2, tokenizer=tok)
-    return str(student), str(teacher)
 
 
 def _study(pair, out, *extra):

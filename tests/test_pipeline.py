@@ -9,17 +9,8 @@ from opdjax import pipeline
 from opdjax.config import TrainConfig, load
 from opdjax.learner import latest_step
 from opdjax.models import load_state
-from opdjax.models.tiny import load_tokenizer, make_tiny
+from opdjax.models.tiny import make_tiny
 from opdjax.teacher import VocabMismatchError
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    student = make_tiny(root / "student", "qwen3", "tiny", seed=1, corpus=["12+34=46", "7+8=15"])
-    tok = load_tokenizer(student)
-    teacher = make_tiny(root / "teacher", "qwen3", "tiny", seed=2, tokenizer=tok)
-    return str(student), str(teacher)
 
 
 def _cfg(pair, tmp_path, *extra):

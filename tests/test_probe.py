@@ -5,7 +5,6 @@ import pytest
 
 from opdjax import mismatch
 from opdjax.config import TrainConfig, load
-from opdjax.models.tiny import load_tokenizer, make_tiny
 from opdjax.probe import bootstrap_ci, per_sequence_terms, probe
 
 
@@ -21,14 +20,6 @@ def test_per_sequence_terms_sum_to_the_token_mean_of_mismatch_metrics():
     assert lo <= sums.sum() / counts.sum() <= hi
     with pytest.raises(ValueError, match="not supported"):
         per_sequence_terms("chi2", s, r, mask)
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("probe_pair")
-    student = make_tiny(root / "student", "qwen3", "tiny", seed=1, corpus=["12+34=46"])
-    teacher = make_tiny(root / "teacher", "qwen3", "tiny", seed=2, tokenizer=load_tokenizer(student))
-    return str(student), str(teacher)
 
 
 def test_probe_is_zero_for_the_clean_engine_and_positive_for_simulated_fp8(pair):

@@ -23,24 +23,13 @@ from opdjax.teacher import JaxTeacher  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 
-def require_vllm():
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means no engine
-        msg = f"vllm is not importable ({type(e).__name__}: {e})"
-        if os.environ.get("OPDJAX_REQUIRE_VLLM") == "1":
-            pytest.fail(msg + " and OPDJAX_REQUIRE_VLLM=1")
-        pytest.skip(msg)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("vllm_tiny") / "m", "qwen3", "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
-    require_vllm()
+def engine(model_dir, vllm_module):
     from opdjax.rollout.vllm_engine import VllmEngine
 
     return VllmEngine(model_dir, dtype="float32", seed=0, kv_cache_memory_bytes=32 << 20, max_model_len=512,
