@@ -1,16 +1,17 @@
-"""Admission-check validity: does the probe verdict agree with a full OPD run, and what does the probe cost?
+"""Admission-check validity: does the probe verdict agree with full OPD runs, and what does the probe cost?
 
-For each candidate configuration NOT used to fit the budget, compare
-    probe verdict     ADMIT / REJECT / UNCERTAIN from `opdjax.probe.probe` against B (UNCERTAIN = not admitted)
-    full-run verdict  "should admit" iff the quality loss of a full OPD run at that configuration,
-                      (final held-out reverse KL - baseline's) / baseline's, is <= delta
-and report the agreement count (target >= 5 of 6) and the probe cost relative to one full run (one study point at
-one seed; target < 5%).
+For each candidate configuration NOT used to fit the budget (none is a point of the study), compare
+    probe verdict     `opdjax admit`'s ADMIT / REJECT / UNCERTAIN against the study's B (UNCERTAIN = not admitted)
+    full-run verdict  "should admit" iff the candidate's quality loss, measured exactly as the study measures its
+                      points (same train config and seeds, mean over seeds of (RKL - RKL_base) / RKL_base with the
+                      study's baseline), is <= the study's delta
+and report the agreement count (target >= 5 of 6) and the probe cost: admit's seconds per candidate against the
+time of one full study point (all its seeds, probe + training; target < 5%).
 
-    python benchmarks/admission_validity.py --budget runs/study/budget.json
-    python benchmarks/admission_validity.py            # no study yet: fits a small budget on a weight-noise sweep
+    opdjax study --config configs/study_cpu.yaml            # writes runs/study_cpu/budget.json
+    python benchmarks/admission_validity.py --budget runs/study_cpu/budget.json
 
-Uses the built-in demo models (`opdjax train` defaults). Writes <out>/validity.json and prints the table.
+Full runs resume per (candidate, seed) like the study. Writes <out>/validity.json and validity.md (the table).
 """
 
 from __future__ import annotations
@@ -30,143 +31,127 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-from opdjax import admission  # noqa: E402
-from opdjax.probe import probe  # noqa: E402
+from opdjax import admission, budget as budget_mod  # noqa: E402
 
-# Not study points: noise levels between typical sweep values, other staleness values, recipe combinations.
-# Not study points (opdjax.budget defaults: weight noise 0.01/0.03/0.1/0.3, staleness 1/2, recipe fp8_w8a8): noise
-# levels between the study's, another staleness, and other recipes.
+# None of these is a point of configs/study_cpu.yaml (weight noise 0.003/0.01/0.02/0.03/0.05, staleness 2,
+# recipes fp8_w8a8 and e5m2_w8a8): noise levels between and beyond the study's, other staleness values, and
+# recipes with a different scope (FP8 KV cache, weights only).
 DEFAULT_CANDIDATES = [
-    "rollout.weight_noise=0.005",
+    "rollout.weight_noise=0.006",
     "rollout.weight_noise=0.015",
-    "rollout.weight_noise=0.05",
-    "rollout.stale_versions=3",
+    "rollout.weight_noise=0.04",
+    "rollout.weight_noise=0.08",
+    "rollout.stale_versions=1",
+    "rollout.stale_versions=4",
+    "rollout.recipe=fp8_weights_only",
+    "rollout.recipe=fp8_w8a8_kv",
     "rollout.recipe=fp8_kv_only",
-    "rollout.recipe=fp8_w8a8_channel",
-    "rollout.weight_noise=0.02",
 ]
-# Only when no budget.json is given: a minimal version of the study's weight-noise sweep (one seed).
-FIT_SWEEP = ["rollout.weight_noise=0.01", "rollout.weight_noise=0.03"]
 
 
-def full_run(overrides: list[str], out_dir: pathlib.Path, steps: int) -> dict:
-    from opdjax import pipeline
+def candidate_point(text: str) -> budget_mod.Point:
+    """The candidate as a study point (group "validation"), trained with the study's own machinery."""
+    from opdjax.config import _deep_update, parse_override
 
-    cfg = admission.candidate_config(None, [*overrides, f"pipeline.steps={steps}", "pipeline.eval_every=0",
-                                            "pipeline.progress=false", "pipeline.tensorboard=false",
-                                            f"pipeline.out_dir={out_dir}"])
-    done = out_dir / "summary.json"
-    if done.is_file() and (out_dir / "config.json").is_file():  # finished earlier with the same config: reuse
-        from opdjax.config import to_dict
-
-        if json.loads((out_dir / "config.json").read_text()) == json.loads(json.dumps(to_dict(cfg))):
-            s = json.loads(done.read_text())
-            return {"reverse_kl": s["final"]["eval/reverse_kl"], "accuracy": s["final"]["eval/accuracy"],
-                    "seconds": s["seconds"]}
-    t0 = time.time()
-    s = pipeline.train(cfg, log=lambda m: None)
-    return {"reverse_kl": s["final"]["eval/reverse_kl"], "accuracy": s["final"]["eval/accuracy"],
-            "seconds": time.time() - t0}
-
-
-def probe_one(overrides: list[str], batches: int, metric: str) -> dict:
-    cfg = admission.candidate_config(None, [*overrides, "pipeline.progress=false", "pipeline.tensorboard=false"])
-    r = probe(cfg, batches=batches, metric=metric, log=lambda m: None)
-    return {"m": r.m, "ci_low": r.ci_low, "ci_high": r.ci_high, "seconds": r.seconds, "tokens": r.tokens}
-
-
-def fit_budget(points: list[dict], delta: float) -> float:
-    """Largest probe M such that every point with M at or below it stays within delta."""
-    b = 0.0
-    for p in sorted(points, key=lambda p: p["m"]):
-        if p["loss"] > delta:
-            break
-        b = p["m"]
-    return b
+    nested: dict = {}
+    for item in admission.split_candidate(text):
+        _deep_update(nested, parse_override(item))
+    return budget_mod.Point("validation", "candidate", text.replace("rollout.", "").replace(",", "+"), nested,
+                            probe=False, label="cand")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budget", default=None, help="budget.json from `opdjax study` (else a small fit here)")
-    ap.add_argument("--delta", type=float, default=None,
-                    help="quality tolerance (default: budget.json's, or 0.25 as opdjax.budget)")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batches", type=int, default=4)
+    ap.add_argument("--budget", required=True, help="budget.json written by `opdjax study`")
+    ap.add_argument("--batches", type=int, default=4, help="probe batches per candidate (as `opdjax admit`)")
     ap.add_argument("--out", default="runs/admission_validity")
     ap.add_argument("candidates", nargs="*", default=None)
     args = ap.parse_args(argv)
-    out = ROOT / args.out if not os.path.isabs(args.out) else pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    candidates = args.candidates or DEFAULT_CANDIDATES
-
     log = lambda m: print(m, flush=True)  # noqa: E731
-    t_all = time.time()
-    base = full_run([], out / "baseline", args.steps)
-    log(f"baseline: reverse KL {base['reverse_kl']:.4f} ({base['seconds']:.1f}s)")
-    fitted = None
-    if args.budget:
-        budget = admission.load_budget(args.budget)
-        delta = args.delta if args.delta is not None else budget.delta
-        if delta is None:
-            raise SystemExit(f"{args.budget} has no 'delta'; pass --delta")
-        B, metric, source = budget.budget, budget.metric, args.budget
-    else:
-        delta = args.delta if args.delta is not None else 0.25
-        metric = "k3"
-        points = []
-        for c in FIT_SWEEP:
-            ov = admission.split_candidate(c)
-            p = probe_one(ov, args.batches, metric)
-            f = full_run(ov, out / ("fit_" + c.replace("=", "_").replace(",", "_")), args.steps)
-            p.update(f, candidate=c, loss=(f["reverse_kl"] - base["reverse_kl"]) / base["reverse_kl"])
-            points.append(p)
-            log(f"fit {c}: M {p['m']:.3e}, loss {p['loss']:+.3f} ({f['seconds']:.1f}s)")
-        B = fit_budget(points, delta)
-        source = f"fitted here on {len(FIT_SWEEP)} weight-noise points (1 seed), delta {delta}"
-        fitted = {"points": points, "budget": B, "delta": delta, "metric": metric}
-        (out / "budget_fitted.json").write_text(json.dumps(fitted, indent=2) + "\n")
-    log(f"budget B = {B:.3e} ({metric}), delta = {delta} [{source}]")
+    budget = admission.load_budget(args.budget)
+    bj = json.loads(pathlib.Path(args.budget).read_text())
+    study = budget_mod.load_study(pathlib.Path(args.budget).parent / "study_config.yaml",
+                                  [f"out_dir={args.out}"])
+    baseline = bj["baseline"]
+    candidates = args.candidates or DEFAULT_CANDIDATES
+    points = [candidate_point(c) for c in candidates]
+    fitted = [dict(p.overrides) for p in budget_mod.sweep_points(study)]
+    for c, p in zip(candidates, points):
+        if json.loads(json.dumps(p.overrides)) in json.loads(json.dumps(fitted)):
+            raise SystemExit(f"candidate {c} is a point of the study; validity needs configurations not used to fit")
 
+    # 1. The probe verdicts, exactly as `opdjax admit --budget ... CANDIDATES` computes them (one process).
+    t0 = time.time()
+    admit_rows = admission.admit(candidates, budget, overrides=_base_overrides(study), batches=args.batches,
+                                 log=log)
+    admit_wall = time.time() - t0
+    # 2. The full-run verdicts: every study seed, as the study trains its points.
     rows = []
-    for c in candidates:
-        ov = admission.split_candidate(c)
-        p = probe_one(ov, args.batches, metric)
-        f = full_run(ov, out / ("cand_" + c.replace("=", "_").replace(",", "_").replace("/", "_")), args.steps)
-        loss = (f["reverse_kl"] - base["reverse_kl"]) / base["reverse_kl"]
-        v = admission.verdict(p["ci_low"], p["ci_high"], B)
-        should = loss <= delta
-        row = {"candidate": c, **{f"probe_{k}": x for k, x in p.items()}, "verdict": v, "run_reverse_kl":
-               f["reverse_kl"], "run_accuracy": f["accuracy"], "run_seconds": f["seconds"], "quality_loss": loss,
-               "should_admit": should, "agree": (v == "ADMIT") == should}
-        rows.append(row)
-        log(f"{c}: M {p['m']:.3e} [{p['ci_low']:.3e}, {p['ci_high']:.3e}] {v}; loss {loss:+.3f} -> "
-            f"{'admit' if should else 'reject'}; {'agree' if row['agree'] else 'DISAGREE'}")
+    for c, p, a in zip(candidates, points, admit_rows):
+        recs = []
+        for s in study.seeds:
+            rec = budget_mod.run_one(study, p, s, log)
+            recs.append(rec)
+            log(f"{c} seed {s}: RKL {rec['reverse_kl']:.3f}, acc {rec['accuracy']:.3f}"
+                f"{' (reused)' if rec['reused'] else ''}")
+        losses = budget_mod.quality_losses(recs, baseline, study.quality)
+        q = float(sum(losses) / len(losses))
+        should = q <= bj["delta"]
+        rows.append({"candidate": c, "m": a.m, "ci": [a.ci_low, a.ci_high], "verdict": a.verdict,
+                     "probe_seconds": a.seconds, "reverse_kl_seeds": [r["reverse_kl"] for r in recs],
+                     "accuracy_seeds": [r["accuracy"] for r in recs], "q_loss": q, "q_loss_seeds": losses,
+                     "m_train": budget_mod._finite_mean(r["m_train_k3"] for r in recs),
+                     "should_admit": should, "agree": (a.verdict == "ADMIT") == should})
 
-    run_s = [base["seconds"]] + [r["run_seconds"] for r in rows]
-    probe_s = [r["probe_seconds"] for r in rows]
-    mean_run = sum(run_s) / len(run_s)
-    ratio = (sum(probe_s) / len(probe_s)) / mean_run
-    agree = sum(r["agree"] for r in rows)
-    w = max(len(r["candidate"]) for r in rows)
-    print()
-    print(f"{'candidate':<{w}}  {'M (' + metric + ')':>10}  {'95% CI':>23}  {'probe':>9}  {'loss':>7}  "
-          f"{'full run':>8}  agree  {'probe s':>7}")
-    for r in rows:
-        ci = f"[{r['probe_ci_low']:.2e}, {r['probe_ci_high']:.2e}]"
-        print(f"{r['candidate']:<{w}}  {r['probe_m']:>10.3e}  {ci:>23}  {r['verdict']:>9}  {r['quality_loss']:>+7.3f}  "
-              f"{'admit' if r['should_admit'] else 'reject':>8}  {'yes' if r['agree'] else 'NO':>5}  "
-              f"{r['probe_seconds']:>7.1f}")
-    print(f"budget B = {B:.3e}, delta = {delta} ({source}); baseline reverse KL {base['reverse_kl']:.4f}")
-    print(f"agreement: {agree}/{len(rows)} (target >= 5/6)")
-    print(f"probe cost: mean {sum(probe_s) / len(probe_s):.1f}s vs mean full run {mean_run:.1f}s "
-          f"({args.steps} steps, one seed) = {100 * ratio:.1f}% (target < 5%)")
-    rep = {"budget": B, "delta": delta, "metric": metric, "budget_source": source, "fitted": fitted,
-           "baseline": base, "rows": rows, "agreement": agree, "n": len(rows), "probe_cost_ratio": ratio,
-           "mean_probe_seconds": sum(probe_s) / len(probe_s), "mean_run_seconds": mean_run,
-           "seconds": time.time() - t_all}
+    point_s = [p["seconds"] for p in bj["points"]]
+    mean_point = sum(point_s) / len(point_s)
+    per_cand = admit_wall / len(candidates)
+    rep = {"budget": budget.budget, "metric": budget.metric, "delta": bj["delta"], "budget_file": args.budget,
+           "baseline_reverse_kl": baseline["reverse_kl"], "seeds": list(study.seeds), "rows": rows,
+           "agreement": sum(r["agree"] for r in rows), "n": len(rows),
+           "admit_wall_seconds": admit_wall, "probe_seconds_per_candidate": per_cand,
+           "max_probe_seconds": max(r["probe_seconds"] for r in rows),
+           "mean_study_point_seconds": mean_point, "probe_cost_ratio": per_cand / mean_point}
+    out = pathlib.Path(study.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "validity.json").write_text(json.dumps(rep, indent=2) + "\n")
-    print(f"wrote {out / 'validity.json'}")
+    md = format_table(rep)
+    (out / "validity.md").write_text(md)
+    print()
+    print(md)
+    print(f"wrote {out / 'validity.json'} and validity.md")
     return 0
+
+
+def _base_overrides(study) -> list[str]:
+    """The study's base TrainConfig overrides as key=value strings (the probe sees the study's config)."""
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict) and k not in ("options", "vllm", "correction_options"):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}={json.dumps(v)}"
+    return list(flat(study.base))
+
+
+def format_table(rep: dict) -> str:
+    """The markdown table of validity.json."""
+    lines = [f"Budget B = {rep['budget']:.3g} ({rep['metric']}), delta = {rep['delta']} (from {rep['budget_file']}); "
+             f"full runs: seeds {rep['seeds']}, baseline reverse KL {rep['baseline_reverse_kl']:.3f}.", "",
+             "| candidate | probe M [95% CI] | probe verdict | full-run RKL per seed | q_loss | full run | agree |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rep["rows"]:
+        rkl = " / ".join(f"{x:.2f}" for x in r["reverse_kl_seeds"])
+        lines.append(f"| `{r['candidate']}` | {r['m']:.2e} [{r['ci'][0]:.2e}, {r['ci'][1]:.2e}] | {r['verdict']} | "
+                     f"{rkl} | {r['q_loss']:+.2f} | {'admit' if r['should_admit'] else 'reject'} | "
+                     f"{'yes' if r['agree'] else '**no**'} |")
+    lines += ["", f"Agreement: **{rep['agreement']}/{rep['n']}** (target >= 5 of 6).",
+              f"Probe cost: `opdjax admit` took {rep['admit_wall_seconds']:.1f} s for {rep['n']} candidates "
+              f"({rep['probe_seconds_per_candidate']:.1f} s each, incl. model load and compilation; the slowest "
+              f"single probe {rep['max_probe_seconds']:.1f} s) against {rep['mean_study_point_seconds']:.0f} s for "
+              f"one study point ({len(rep['seeds'])} seeds, probe + training) = "
+              f"**{100 * rep['probe_cost_ratio']:.1f}%** (target < 5%).", ""]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -272,25 +272,35 @@ def units(num_layers: int, by: str, *, kv: bool = True) -> list[Unit]:
     return out + ([Unit(KV, kv=True)] if kv else [])
 
 
-def unit_recipe(unit: Unit, name: str | None = None) -> quant.Recipe:
+def _kv_scale_kw(kv_scales: Sequence | None) -> dict[str, Any]:
+    """Recipe kwargs of the FP8 KV cache's scales: vLLM's fixed 1.0, or calibrated per-layer scales."""
+    return {"kv_scale": 1.0} if kv_scales is None else {"kv_scales": tuple(kv_scales)}
+
+
+def unit_recipe(unit: Unit, name: str | None = None, kv_scales: Sequence | None = None) -> quant.Recipe:
     """FP8 W8A8 (per-tensor weights, per-token activations) on the unit's modules only, or only the FP8 KV cache
-    (scale 1.0, vLLM's kv_cache_dtype="fp8") for the KV unit; everything else in high precision."""
+    (scale 1.0 = vLLM's kv_cache_dtype="fp8", or calibrated per-layer `kv_scales`) for the KV unit; everything
+    else in high precision."""
     name = name or f"fp8_only_{unit.label}"
     hp = tuple((p, None) for p in quant.HIGH_PRECISION_PATTERNS)
     if unit.kv:
-        return quant.Recipe(name=name, weights=hp, kv_cache=_E4M3_TOK, kv_scale=1.0)
+        return quant.Recipe(name=name, weights=hp, kv_cache=_E4M3_TOK, **_kv_scale_kw(kv_scales))
     return quant.Recipe(name=name, weights=hp + tuple((p, _E4M3_T) for p in unit.patterns), activations=_E4M3_TOK)
 
 
-def full_fp8_recipe(keep: Sequence[Unit] = (), name: str = "fp8_search") -> quant.Recipe:
-    """The full FP8 recipe (W8A8 on every decoder linear + FP8 KV cache, as preset fp8_w8a8_kv) with the `keep`
-    units in high precision (their patterns come first: the first matching pattern wins)."""
+def full_fp8_recipe(keep: Sequence[Unit] = (), name: str = "fp8_search", kv_scales: Sequence | None = None
+                    ) -> quant.Recipe:
+    """The full FP8 recipe (W8A8 on every decoder linear + FP8 KV cache, as preset fp8_w8a8_kv, or with
+    calibrated per-layer `kv_scales`) with the `keep` units in high precision (their patterns come first: the first
+    matching pattern wins)."""
     keep_kv = any(u.kv for u in keep)
     weights = tuple((p, None) for p in quant.HIGH_PRECISION_PATTERNS)
     weights += tuple((p, None) for u in keep for p in u.patterns)
     weights += tuple((p, _E4M3_T) for p in quant.DECODER_LINEAR_PATTERNS)
-    return quant.Recipe(name=name, weights=weights, activations=_E4M3_TOK,
-                        kv_cache=None if keep_kv else _E4M3_TOK, kv_scale=None if keep_kv else 1.0)
+    if keep_kv:
+        return quant.Recipe(name=name, weights=weights, activations=_E4M3_TOK)
+    return quant.Recipe(name=name, weights=weights, activations=_E4M3_TOK, kv_cache=_E4M3_TOK,
+                        **_kv_scale_kw(kv_scales))
 
 
 def _register(recipe: quant.Recipe) -> str:
@@ -334,6 +344,13 @@ def vllm_settings(mcfg, recipe: quant.Recipe) -> dict[str, Any]:
     kv = "auto" if recipe.kv_cache is None else {"e4m3": "fp8", "e5m2": "fp8_e5m2"}.get(recipe.kv_cache.fmt)
     if kv is None:
         raise AdmissionError(f"KV-cache format {recipe.kv_cache.fmt!r} has no vLLM kv_cache_dtype equivalent")
+    if recipe.kv_cache is not None and (recipe.kv_scales is not None
+                                        or recipe.kv_scale not in (None, 1.0) or recipe.kv_cache.granularity != "token"):
+        raise AdmissionError(
+            f"recipe {recipe.name!r}: vLLM 0.32 takes no KV-cache scale argument — kv_cache_dtype={kv!r} on a plain "
+            "checkpoint always uses scale 1.0; calibrated per-layer scales are read only from an FP8-quantized "
+            "checkpoint (compressed-tensors `kv_cache_scheme` with self_attn.k_scale/v_scale tensors), which opdjax "
+            "does not export. Search with --kv-scales fixed for settings vLLM reproduces")
     out: dict[str, Any] = {"kv_cache_dtype": kv}
     if any_fp8:
         out["quantization"] = "fp8_per_tensor"
@@ -394,7 +411,8 @@ def _student_config(cfg):
 
 
 def sensitivity(cfg, *, by: str = "layer", probe_fn: ProbeFn | None = None, batches: int = 4, metric: str = "k3",
-                seed: int = 0, kv: bool = True, mcfg=None, log=print) -> dict[str, Any]:
+                seed: int = 0, kv: bool = True, kv_scales: Sequence | None = None, mcfg=None, log=print
+                ) -> dict[str, Any]:
     """M of the unquantized engine and of each unit quantized alone (FP8 W8A8 / FP8 KV), sorted by contribution.
 
     contribution = M(unit alone) - M(nothing quantized). Returns {"baseline": {...}, "units": [...]} with each
@@ -408,7 +426,8 @@ def sensitivity(cfg, *, by: str = "layer", probe_fn: ProbeFn | None = None, batc
     base = _probe_recipe(cfg, quant.RECIPES["none"], probe_fn, batches=batches, metric=metric, seed=seed)
     rows = []
     for u in units(mcfg.num_layers, by, kv=kv):
-        r = _probe_recipe(cfg, unit_recipe(u), probe_fn, batches=batches, metric=metric, seed=seed)
+        r = _probe_recipe(cfg, unit_recipe(u, kv_scales=kv_scales), probe_fn, batches=batches, metric=metric,
+                          seed=seed)
         rows.append({"unit": u.label, "patterns": list(u.patterns), "kv": u.kv, "m": r.m, "ci_low": r.ci_low,
                      "ci_high": r.ci_high, "contribution": r.m - base.m,
                      "weight_bytes_saved": 0 if u.kv else _weight_saving(mcfg, u), "seconds": r.seconds})
@@ -457,8 +476,11 @@ class SearchResult:
 
 def recipe_search(cfg, budget: Budget, *, margin: float = 0.8, by: str = "layer", probe_fn: ProbeFn | None = None,
                   batches: int = 4, seed: int = 0, memory_bytes: float = 80e9, name: str = "fp8_searched",
-                  mcfg=None, log=print) -> SearchResult:
-    """Greedy FP8 recipe search (module docstring). `fits` = m <= margin * B and ci_high <= B."""
+                  kv_scales: Sequence | None = None, mcfg=None, log=print) -> SearchResult:
+    """Greedy FP8 recipe search (module docstring). `fits` = m <= margin * B and ci_high <= B.
+
+    kv_scales: None = the FP8 KV cache at vLLM's fixed scale 1.0; per-layer scales (`calibrate_kv`) otherwise.
+    """
     if not 0 < margin <= 1:
         raise AdmissionError(f"--margin must be in (0, 1], got {margin}")
     if by == "module":
@@ -475,7 +497,7 @@ def recipe_search(cfg, budget: Budget, *, margin: float = 0.8, by: str = "layer"
 
     steps: list[dict[str, Any]] = []
     keep: list[Unit] = []
-    recipe = full_fp8_recipe(keep, name=name)
+    recipe = full_fp8_recipe(keep, name=name, kv_scales=kv_scales)
     r = _probe_recipe(cfg, recipe, probe_fn, **kw)
     steps.append({"action": "full fp8", "kept": [], "m": r.m, "ci_low": r.ci_low, "ci_high": r.ci_high,
                   "fits": fits(r)})
@@ -484,7 +506,7 @@ def recipe_search(cfg, budget: Budget, *, margin: float = 0.8, by: str = "layer"
     sens = None
     if not fits(r):
         log(f"sensitivity by {by}:")
-        sens = sensitivity(cfg, by=by, probe_fn=probe_fn, mcfg=mcfg, log=log, **kw)
+        sens = sensitivity(cfg, by=by, probe_fn=probe_fn, mcfg=mcfg, kv_scales=kv_scales, log=log, **kw)
         all_units = {u.label: u for u in units(mcfg.num_layers, by)}
         full_tokens = quant.kv_capacity_tokens(mcfg, memory_bytes, full_fp8_recipe())
         kv_saving = full_tokens * (quant.kv_cache_bytes_per_token(mcfg, None)
@@ -492,7 +514,7 @@ def recipe_search(cfg, budget: Budget, *, margin: float = 0.8, by: str = "layer"
         saving = {row["unit"]: kv_saving if row["kv"] else row["weight_bytes_saved"] for row in sens["units"]}
 
         def attempt(kept: list[Unit], action: str):
-            rec = full_fp8_recipe(kept, name=name)
+            rec = full_fp8_recipe(kept, name=name, kv_scales=kv_scales)
             res = _probe_recipe(cfg, rec, probe_fn, **kw)
             steps.append({"action": action, "kept": [u.label for u in kept], "m": res.m, "ci_low": res.ci_low,
                           "ci_high": res.ci_high, "fits": fits(res)})
@@ -518,9 +540,17 @@ def recipe_search(cfg, budget: Budget, *, margin: float = 0.8, by: str = "layer"
                     keep, recipe, r = trial, rec2, r2
     saved = quant.weight_bytes(mcfg, None) - quant.weight_bytes(mcfg, recipe)
     return SearchResult(recipe=recipe, kept=[u.label for u in keep], fits=fits(r), m=r.m, ci_low=r.ci_low,
-                        ci_high=r.ci_high, steps=steps, sensitivity=sens, vllm=vllm_settings(mcfg, recipe),
+                        ci_high=r.ci_high, steps=steps, sensitivity=sens, vllm=_vllm_or_reason(mcfg, recipe),
                         capacity=capacity_report(mcfg, recipe, memory_bytes), weight_bytes_saved=saved,
                         seconds=time.time() - t0)
+
+
+def _vllm_or_reason(mcfg, recipe: quant.Recipe) -> dict[str, Any]:
+    """vLLM settings of a found recipe, or {"unsupported": why} when vLLM cannot reproduce it from kwargs."""
+    try:
+        return vllm_settings(mcfg, recipe)
+    except AdmissionError as e:
+        return {"unsupported": str(e)}
 
 
 def write_search(result: SearchResult, budget: Budget, margin: float, out_dir: str | pathlib.Path) -> dict[str, str]:
@@ -614,9 +644,25 @@ def _cmd_admit(args) -> int:
     return exit_code(rows)
 
 
+def calibrate_kv(cfg, *, batches: int = 2, seed: int = 0, log=print) -> tuple:
+    """Per-layer (k_scale, v_scale) of an e4m3 KV cache from the student's K/V amax on its own samples."""
+    from opdjax.probe import kv_amax
+
+    return quant.calibrate_kv_scales(kv_amax(cfg, batches=batches, seed=seed, log=lambda m: None))
+
+
+def _kv_scales_arg(args, cfg) -> tuple | None:
+    if args.kv_scales == "fixed":
+        return None
+    scales = calibrate_kv(cfg, seed=args.seed)
+    print(f"calibrated FP8 KV scales (k, v) per layer: {[tuple(round(x, 5) for x in s) for s in scales]}")
+    return scales
+
+
 def _cmd_sensitivity(args) -> int:
     cfg = candidate_config(args.config, args.overrides)
-    rep = sensitivity(cfg, by=args.by, batches=args.batches, metric=args.metric, seed=args.seed, kv=not args.no_kv)
+    rep = sensitivity(cfg, by=args.by, batches=args.batches, metric=args.metric, seed=args.seed, kv=not args.no_kv,
+                      kv_scales=_kv_scales_arg(args, cfg))
     print(format_sensitivity(rep))
     if args.out:
         p = pathlib.Path(args.out)
@@ -630,7 +676,7 @@ def _cmd_recipe_search(args) -> int:
     budget = load_budget(args.budget)
     cfg = candidate_config(args.config, args.overrides)
     res = recipe_search(cfg, budget, margin=args.margin, by=args.by, batches=args.batches, seed=args.seed,
-                        memory_bytes=args.memory_gb * (1 << 30), name=args.name)
+                        memory_bytes=args.memory_gb * (1 << 30), name=args.name, kv_scales=_kv_scales_arg(args, cfg))
     paths = write_search(res, budget, args.margin, args.out)
     print(f"recipe: {len(res.kept)} unit(s) kept in high precision: {res.kept or 'none'}; "
           f"{budget.metric} {res.m:.3e} [{res.ci_low:.3e}, {res.ci_high:.3e}] vs B {budget.budget:.3e} "
@@ -662,6 +708,12 @@ def _common(p: argparse.ArgumentParser, *, overrides: bool = True) -> None:
         p.add_argument("overrides", nargs="*", help="config overrides key=value")
 
 
+def _kv_scales_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-scales", default="fixed", choices=["fixed", "calibrated"],
+                   help="FP8 KV-cache scales: fixed 1.0 (vLLM kv_cache_dtype=fp8 on a plain checkpoint) or "
+                        "per-layer scales calibrated on the student's own samples (amax / 448)")
+
+
 def add_admission_commands(subparsers) -> None:
     """Register admit, sensitivity, recipe-search and capacity on an argparse subparsers object."""
     a = subparsers.add_parser("admit", help="probe candidate rollout configs and admit/reject them against a budget",
@@ -682,6 +734,7 @@ def add_admission_commands(subparsers) -> None:
     s.add_argument("--by", default="layer", choices=BY_CHOICES)
     s.add_argument("--metric", default="k3")
     s.add_argument("--no-kv", action="store_true", help="leave out the FP8 KV-cache unit")
+    _kv_scales_flag(s)
     s.add_argument("--out", default=None, help="write the JSON report here")
     s.set_defaults(func=_guard(_cmd_sensitivity))
 
@@ -692,6 +745,7 @@ def add_admission_commands(subparsers) -> None:
     r.add_argument("--by", default="layer", choices=[b for b in BY_CHOICES if b != "module"])
     r.add_argument("--memory-gb", type=float, default=80.0, help="device memory for the KV-capacity accounting")
     r.add_argument("--name", default="fp8_searched", help="name of the written recipe")
+    _kv_scales_flag(r)
     r.add_argument("--out", default="runs/recipe_search", help="output directory")
     r.set_defaults(func=_guard(_cmd_recipe_search))
 

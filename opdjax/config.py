@@ -84,7 +84,7 @@ class PrepareConfig:
 @dataclasses.dataclass
 class RolloutConfig:
     engine: str = "jax"              # jax | vllm
-    batch_size: int = 32             # prompts per step
+    batch_size: int = 64             # prompts per step
     samples_per_prompt: int = 1
     max_new_tokens: int = 6
     temperature: float = 1.0
@@ -176,7 +176,7 @@ class LossConfig:
 
 @dataclasses.dataclass
 class OptimConfig:
-    lr: float = 3e-4
+    lr: float = 6e-4
     schedule: str = "constant"       # constant | cosine | linear
     warmup_steps: int = 5
     grad_clip: float = 1.0
@@ -245,9 +245,10 @@ class TrainConfig:
             v = getattr(self, f.name)
             if dataclasses.is_dataclass(v):
                 v.validate()
-        if self.rollout.engine == "vllm" and (self.rollout.recipe != "none" or self.rollout.stale_versions):
-            raise ConfigError("rollout.recipe / rollout.stale_versions simulate mismatch in the JAX engine; with "
-                              "rollout.engine=vllm set vLLM's own options under rollout.vllm (e.g. kv_cache_dtype)")
+        if self.rollout.engine == "vllm" and (self.rollout.weight_noise or self.rollout.stale_versions):
+            raise ConfigError("rollout.weight_noise / rollout.stale_versions simulate mismatch in the JAX engine; "
+                              "with rollout.engine=vllm use rollout.recipe (translated to vLLM's FP8 settings) or "
+                              "vLLM's own options under rollout.vllm (e.g. kv_cache_dtype)")
         return self
 
 

@@ -74,7 +74,8 @@ def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, p
     if r.engine == "vllm":
         from opdjax.rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(student_path, dtype=r.dtype, seed=r.seed, **r.vllm)
+        return VllmEngine(student_path, dtype=r.dtype, seed=r.seed,
+                          recipe=None if r.recipe == "none" else r.recipe, **r.vllm)
     from opdjax.rollout.jax_engine import JaxEngine
 
     return JaxEngine(student_cfg, params, recipe=r.recipe, weight_noise=r.weight_noise, noise_seed=r.seed,

@@ -11,8 +11,10 @@ M is the chosen metric (default k3) over all probe tokens, with a 95% bootstrap 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -99,3 +101,41 @@ def probe(cfg: TrainConfig, *, batches: int = 4, metric: str = "k3", seed: int =
     m = float(sums_B.sum() / max(counts_B.sum(), 1))
     return ProbeResult(metric=metric, m=m, ci_low=lo, ci_high=hi,
                        metrics={k_: float(v) for k_, v in full.items()}, seconds=time.time() - t0, tokens=tokens)
+
+
+def cache_amax(graphdef, params, mcfg, tokens_BL, valid_BL) -> np.ndarray:
+    """Per-layer [max |K|, max |V|] -> [L, 2] over the real-token slots of the KV cache the decoder fills for
+    tokens_BL (post-RoPE keys, as engines cache them)."""
+    return np.asarray(_cache_amax(graphdef, mcfg, params, jnp.asarray(tokens_BL), jnp.asarray(valid_BL, bool)))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _cache_amax(graphdef, mcfg, params, tokens_BL, valid_BL):
+    from opdjax.models import decoder
+
+    B, L = tokens_BL.shape
+    _, cache = decoder.forward(graphdef, params, tokens_BL, valid_BT=valid_BL,
+                               cache=decoder.init_cache(mcfg, B, L))
+    m = valid_BL[:, :, None, None]
+    return jnp.stack([jnp.stack([jnp.max(jnp.where(m, jnp.abs(k), 0)), jnp.max(jnp.where(m, jnp.abs(v), 0))])
+                      for k, v in zip(cache.k, cache.v)])
+
+
+def kv_amax(cfg: TrainConfig, *, batches: int = 2, seed: int = 0, log=print) -> np.ndarray:
+    """Per-layer max |key| and max |value| [L, 2] of the student's KV cache on its own samples.
+
+    The clean engine (`cfg.rollout` with no recipe, noise or staleness) samples `batches` batches of training
+    prompts (a stream disjoint from the probe's); `cache_amax` of each whole sequence, max over batches. Feed the
+    result to `quant.calibrate_kv_scales` for per-layer FP8 KV scales (scale = amax / fmt_max).
+    """
+    from opdjax import pipeline
+
+    clean = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, recipe="none", weight_noise=0.0,
+                                                                  stale_versions=0))
+    run = pipeline.build(clean, log=log, with_teacher=False)
+    stream = PromptStream(run.task, seed=cfg.seed + 977 + seed)
+    out = np.zeros((run.student_cfg.num_layers, 2))
+    for b in range(batches):
+        batch = pipeline.generate(run, stream.next(cfg.rollout.batch_size), seed=30_000 + 97 * seed + b)
+        out = np.maximum(out, cache_amax(run.graphdef, run.params, run.student_cfg, batch.tokens_BL, batch.valid_BL))
+    return out

@@ -183,6 +183,19 @@ def test_vllm_settings_list_kept_modules_and_refuse_split_fused_layers():
     with pytest.raises(AdmissionError, match="fused qkv"):
         admission.vllm_settings(MCFG, split)
     assert admission.vllm_settings(MCFG, quant.RECIPES["none"]) == {"kv_cache_dtype": "auto"}
+    calibrated = admission.full_fp8_recipe(keep, kv_scales=[0.01] * MCFG.num_layers)
+    with pytest.raises(AdmissionError, match="calibrated per-layer scales are read only from"):
+        admission.vllm_settings(MCFG, calibrated)
+
+
+def test_recipe_search_with_calibrated_kv_scales_keeps_them_and_says_vllm_cannot_take_them(tmp_path):
+    scales = tuple((0.01 * (i + 1), 0.02) for i in range(MCFG.num_layers))
+    res = admission.recipe_search(admission.candidate_config(None, []), Budget("k3", 0.03, None), margin=0.8,
+                                  probe_fn=FakeProbe(0.0), mcfg=MCFG, kv_scales=scales, log=lambda s: None)
+    assert res.recipe.kv_scales == scales and res.recipe.kv_scale is None
+    assert "unsupported" in res.vllm and res.capacity["ratio"] > 1.9
+    paths = admission.write_search(res, Budget("k3", 0.03, None), 0.8, tmp_path / "rs")
+    assert quant.Recipe.from_dict(json.loads(open(paths["recipe"]).read())).kv_scales == scales
 
 
 def test_recipe_search_keeps_sensitive_layers_and_its_recipe_is_admitted(tmp_path, monkeypatch):
@@ -254,3 +267,42 @@ def test_admit_with_the_real_probe_orders_clean_below_fp8(pair, tmp_path):
     assert rows[0].verdict == "ADMIT" and rows[0].m < 1e-6
     assert rows[1].m > rows[0].m and rows[1].verdict in ("REJECT", "UNCERTAIN")
     assert admission.exit_code(rows) == 1
+
+
+def test_cache_amax_matches_transformers_kv_cache(pair):
+    """Per-layer max |K| / |V| of our KV cache equals that of transformers' own cache (post-RoPE keys)."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from opdjax.models import ModelConfig, hf
+    from opdjax.probe import cache_amax
+
+    mcfg = ModelConfig.from_dir(pair[0])
+    graphdef, params = hf.load_state(pair[0], mcfg)
+    tokens = np.random.default_rng(0).integers(3, mcfg.vocab_size, (2, 9))
+    ours = cache_amax(graphdef, params, mcfg, tokens, np.ones_like(tokens, bool))
+    model = transformers.AutoModelForCausalLM.from_pretrained(pair[0], dtype=torch.float32)
+    with torch.no_grad():
+        cache = model(torch.as_tensor(tokens), use_cache=True).past_key_values
+    ref = np.array([[layer.keys.abs().max().item(), layer.values.abs().max().item()] for layer in cache.layers])
+    np.testing.assert_allclose(ours, ref, rtol=1e-4)
+
+
+def test_calibrated_kv_scales_cut_the_fp8_kv_mismatch(pair):
+    """Calibrated per-layer scales give a lower FP8-KV mismatch than vLLM's fixed scale 1.0 on random tiny models
+    (their K/V are small, so scale 1.0 puts them among e4m3's subnormals)."""
+    from opdjax.probe import kv_amax, probe
+
+    glob = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
+            "rollout.max_new_tokens=4", "pipeline.progress=false", "pipeline.tensorboard=false"]
+    cfg = admission.candidate_config(None, glob)
+    amax = kv_amax(cfg, batches=1, log=lambda s: None)
+    assert amax.shape == (tiny_config("qwen3", "tiny").num_layers, 2) and (amax > 0).all()
+    scales = admission.calibrate_kv(cfg, batches=1)
+    assert scales == quant.calibrate_kv_scales(amax)
+    kv = admission.Unit(admission.KV, kv=True)
+    fixed = admission._probe_recipe(cfg, admission.unit_recipe(kv), probe, batches=2, metric="k3", seed=0)
+    cal = admission._probe_recipe(cfg, admission.unit_recipe(kv, kv_scales=scales), probe, batches=2, metric="k3",
+                                  seed=0)
+    assert 0 < cal.m < fixed.m

