@@ -11,7 +11,9 @@ time of one full study point (all its seeds, probe + training; target < 5%).
     opdjax study --config configs/study_cpu.yaml            # writes runs/study_cpu/budget.json
     python benchmarks/admission_validity.py --budget runs/study_cpu/budget.json
 
-Full runs resume per (candidate, seed) like the study. Writes <out>/validity.json and validity.md (the table).
+Candidate runs live next to the study's (results/cand__*, runs/cand__*) and resume per (candidate, seed) like the
+study's. Writes validity.json into the study directory and re-renders its summary.md, which then carries the
+validity table (so does every later `opdjax study` of that directory).
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 from opdjax import admission, budget as budget_mod  # noqa: E402
 
-# None of these is a point of configs/study_cpu.yaml (weight noise 0.003/0.01/0.02/0.03/0.05, staleness 2,
+# None of these is a point of configs/study_cpu.yaml (weight noise 0.003/0.01/0.02/0.03/0.05/0.08, staleness 2,
 # recipes fp8_w8a8 and e5m2_w8a8): noise levels between and beyond the study's, other staleness values, and
-# recipes with a different scope (FP8 KV cache, weights only).
+# recipes with another scope (weights only; + FP8 KV cache; the KV cache alone).
 DEFAULT_CANDIDATES = [
-    "rollout.weight_noise=0.006",
     "rollout.weight_noise=0.015",
     "rollout.weight_noise=0.04",
-    "rollout.weight_noise=0.08",
+    "rollout.weight_noise=0.065",
+    "rollout.weight_noise=0.1",
     "rollout.stale_versions=1",
     "rollout.stale_versions=4",
     "rollout.recipe=fp8_weights_only",
@@ -64,14 +66,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", required=True, help="budget.json written by `opdjax study`")
     ap.add_argument("--batches", type=int, default=4, help="probe batches per candidate (as `opdjax admit`)")
-    ap.add_argument("--out", default="runs/admission_validity")
     ap.add_argument("candidates", nargs="*", default=None)
     args = ap.parse_args(argv)
     log = lambda m: print(m, flush=True)  # noqa: E731
     budget = admission.load_budget(args.budget)
     bj = json.loads(pathlib.Path(args.budget).read_text())
-    study = budget_mod.load_study(pathlib.Path(args.budget).parent / "study_config.yaml",
-                                  [f"out_dir={args.out}"])
+    study = budget_mod.load_study(pathlib.Path(args.budget).parent / "study_config.yaml")
     baseline = bj["baseline"]
     candidates = args.candidates or DEFAULT_CANDIDATES
     points = [candidate_point(c) for c in candidates]
@@ -112,14 +112,13 @@ def main(argv=None) -> int:
            "admit_wall_seconds": admit_wall, "probe_seconds_per_candidate": per_cand,
            "max_probe_seconds": max(r["probe_seconds"] for r in rows),
            "mean_study_point_seconds": mean_point, "probe_cost_ratio": per_cand / mean_point}
-    out = pathlib.Path(study.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = pathlib.Path(args.budget).parent
     (out / "validity.json").write_text(json.dumps(rep, indent=2) + "\n")
-    md = format_table(rep)
-    (out / "validity.md").write_text(md)
+    bj["validity"] = rep
+    (out / "summary.md").write_text(budget_mod.summary_markdown(bj))
     print()
-    print(md)
-    print(f"wrote {out / 'validity.json'} and validity.md")
+    print(budget_mod.validity_markdown(rep))
+    print(f"wrote {out / 'validity.json'}; {out / 'summary.md'} now has the table")
     return 0
 
 
@@ -132,26 +131,6 @@ def _base_overrides(study) -> list[str]:
             else:
                 yield f"{prefix}{k}={json.dumps(v)}"
     return list(flat(study.base))
-
-
-def format_table(rep: dict) -> str:
-    """The markdown table of validity.json."""
-    lines = [f"Budget B = {rep['budget']:.3g} ({rep['metric']}), delta = {rep['delta']} (from {rep['budget_file']}); "
-             f"full runs: seeds {rep['seeds']}, baseline reverse KL {rep['baseline_reverse_kl']:.3f}.", "",
-             "| candidate | probe M [95% CI] | probe verdict | full-run RKL per seed | q_loss | full run | agree |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rep["rows"]:
-        rkl = " / ".join(f"{x:.2f}" for x in r["reverse_kl_seeds"])
-        lines.append(f"| `{r['candidate']}` | {r['m']:.2e} [{r['ci'][0]:.2e}, {r['ci'][1]:.2e}] | {r['verdict']} | "
-                     f"{rkl} | {r['q_loss']:+.2f} | {'admit' if r['should_admit'] else 'reject'} | "
-                     f"{'yes' if r['agree'] else '**no**'} |")
-    lines += ["", f"Agreement: **{rep['agreement']}/{rep['n']}** (target >= 5 of 6).",
-              f"Probe cost: `opdjax admit` took {rep['admit_wall_seconds']:.1f} s for {rep['n']} candidates "
-              f"({rep['probe_seconds_per_candidate']:.1f} s each, incl. model load and compilation; the slowest "
-              f"single probe {rep['max_probe_seconds']:.1f} s) against {rep['mean_study_point_seconds']:.0f} s for "
-              f"one study point ({len(rep['seeds'])} seeds, probe + training) = "
-              f"**{100 * rep['probe_cost_ratio']:.1f}%** (target < 5%).", ""]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

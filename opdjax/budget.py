@@ -581,6 +581,12 @@ def run_study(study: StudyConfig, log: Log = print) -> dict[str, Any]:
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
         "config": {"study": to_dict(study), "base_train_config": to_dict(study.train_config_for({}, study.seeds[0]))},
     }
+    validity = root / "validity.json"  # from benchmarks/admission_validity.py, rendered in the summary
+    if validity.is_file():
+        try:
+            out["validity"] = json.loads(validity.read_text())
+        except json.JSONDecodeError:
+            log(f"ignoring unreadable {validity}")
     _write_json(root / "budget.json", out)
     write_csv(root / "points.csv", rows)
     plot(root / "budget.png", out)
@@ -839,12 +845,38 @@ def summary_markdown(result: Mapping[str, Any]) -> str:
             L.append(f"| {t['correction']} | {t['reverse_kl']:.3f} ({rkl_seeds}) | {t['accuracy']:.3f} ({acc_seeds}) | "
                      f"{t['q_loss']:+.3f} | {_f(t.get('m_train'))} |")
         L += ["", _corr_verdict(c, result["delta"])]
+    if result.get("validity"):
+        L += ["", "## Admission validity", "", validity_markdown(result["validity"], result["budget"])]
     tm = result["timing"]
     L += ["", "## Timing", "",
           f"{tm['runs']} runs, {tm['compute_seconds'] / 60:.1f} min of probe+training in all; this invocation "
           f"{tm['wall_seconds_this_invocation'] / 60:.1f} min wall ({tm['runs_this_invocation']} runs, the rest "
           "reused from results/)."]
     return "\n".join(L) + "\n"
+
+
+def validity_markdown(rep: Mapping[str, Any], current_budget: float | None = None) -> str:
+    """The admission-validity table (benchmarks/admission_validity.py writes `validity.json`)."""
+    L = [f"Candidates that are not study points: the probe verdict of `opdjax admit` against B = {rep['budget']:.3g} "
+         f"({rep['metric']}) versus the verdict of full runs at the candidate (the study's config and seeds "
+         f"{rep['seeds']}; admit iff mean q_loss ≤ delta = {rep['delta']}). UNCERTAIN counts as not admitted.", ""]
+    if current_budget is not None and not math.isclose(current_budget, rep["budget"], rel_tol=1e-9):
+        L += [f"*Validated against B = {rep['budget']:.4g}; the study's B is now {current_budget:.4g} — rerun "
+              "`python benchmarks/admission_validity.py`.*", ""]
+    L += ["| candidate | probe M [95% CI] | probe verdict | full-run RKL per seed | q_loss | full run | agree |",
+          "|---|---|---|---|---|---|---|"]
+    for r in rep["rows"]:
+        rkl = " / ".join(f"{x:.2f}" for x in r["reverse_kl_seeds"])
+        L.append(f"| `{r['candidate']}` | {r['m']:.2e} [{r['ci'][0]:.2e}, {r['ci'][1]:.2e}] | {r['verdict']} | "
+                 f"{rkl} | {r['q_loss']:+.2f} | {'admit' if r['should_admit'] else 'reject'} | "
+                 f"{'yes' if r['agree'] else '**no**'} |")
+    L += ["", f"Agreement: **{rep['agreement']}/{rep['n']}** (target ≥ 5 of 6).", "",
+          f"Probe cost: `opdjax admit` took {rep['admit_wall_seconds']:.1f} s for {rep['n']} candidates "
+          f"({rep['probe_seconds_per_candidate']:.1f} s each, model load and compilation included; slowest single "
+          f"probe {rep['max_probe_seconds']:.1f} s) against {rep['mean_study_point_seconds']:.0f} s for one study "
+          f"point ({len(rep['seeds'])} seeds, probe + training): **{100 * rep['probe_cost_ratio']:.1f}%** "
+          "(target < 5%)."]
+    return "\n".join(L)
 
 
 def _rl_verdict(rv) -> str:

@@ -92,6 +92,7 @@ class RolloutConfig:
     top_p: float = 1.0
     recipe: str = "none"             # simulated quantization for the JAX engine: a quant.RECIPES name or a recipe file
     weight_noise: float = 0.0        # relative Gaussian weight noise on the engine's copy
+    noise_mode: str = "fixed"        # fixed (one draw, a persistent offset) | per_version (redrawn every update)
     stale_versions: int = 0          # JAX engine serves weights this many versions behind
     dtype: str = "float32"           # engine compute dtype
     seed: int = 0
@@ -105,6 +106,7 @@ class RolloutConfig:
         _positive("rollout", "temperature", self.temperature, zero_ok=True)
         _positive("rollout", "top_k", self.top_k, zero_ok=True)
         _positive("rollout", "weight_noise", self.weight_noise, zero_ok=True)
+        _choice("rollout", "noise_mode", self.noise_mode, {"fixed", "per_version"})
         _positive("rollout", "stale_versions", self.stale_versions, zero_ok=True)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p!r}")

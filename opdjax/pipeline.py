@@ -79,6 +79,7 @@ def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, p
     from opdjax.rollout.jax_engine import JaxEngine
 
     return JaxEngine(student_cfg, params, recipe=r.recipe, weight_noise=r.weight_noise, noise_seed=r.seed,
+                     noise_mode=r.noise_mode,
                      stale_versions=r.stale_versions, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
                      dtype=np.dtype(r.dtype) if r.dtype == "float32" else "bfloat16")
 

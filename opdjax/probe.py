@@ -3,7 +3,9 @@
 Sample a few batches of training prompts with the candidate engine (`cfg.rollout`: engine, recipe, weight noise,
 staleness, vLLM options), rescore the same tokens with the learner's forward (f32/bf16, no quantization), and
 compute `mismatch.metrics`. For staleness k the probe first takes k throwaway learner steps, publishing nothing, so
-the engine serves weights k versions behind the learner — exactly what a training step would see.
+the engine serves weights k versions behind the learner — what a training step sees. Those steps run at the peak
+learning rate (warm-up skipped): the probe stands for the bulk of a run, and k steps inside a warm-up would move the
+weights a fraction of what they move later (M would come out several times too small).
 
 M is the chosen metric (default k3) over all probe tokens, with a 95% bootstrap CI over sequences.
 """
@@ -70,6 +72,8 @@ def probe(cfg: TrainConfig, *, batches: int = 4, metric: str = "k3", seed: int =
     from opdjax import pipeline
 
     t0 = time.time()
+    if cfg.rollout.stale_versions:
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, warmup_steps=0))
     run = pipeline.build(cfg, log=log, with_teacher=bool(cfg.rollout.stale_versions))
     state = run.learner.init(run.params)
     stream = PromptStream(run.task, seed=cfg.seed + 31 + seed)

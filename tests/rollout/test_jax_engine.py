@@ -343,8 +343,14 @@ def test_fp8_recipe_and_weight_noise_change_the_engine_distribution(model, engin
     np.testing.assert_array_equal(again.score(tokens, valid)["logp_BL"], noisy)
     other = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_seed=2).score(tokens, valid)["logp_BL"]
     assert np.abs(other - noisy).max() > 1e-3
-    again.update_weights(hf.named_params(cfg, s), 1)  # same weights, new version: fresh (reproducible) noise
-    assert np.abs(again.score(tokens, valid)["logp_BL"] - noisy).max() > 1e-3
+    again.update_weights(hf.named_params(cfg, s), 1)  # default "fixed": same weights, new version -> same offset
+    np.testing.assert_array_equal(again.score(tokens, valid)["logp_BL"], noisy)
+    fresh = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_seed=1, noise_mode="per_version")
+    v0 = fresh.score(tokens, valid)["logp_BL"]
+    fresh.update_weights(hf.named_params(cfg, s), 1)  # per_version: a fresh (reproducible) draw per version
+    assert np.abs(fresh.score(tokens, valid)["logp_BL"] - v0).max() > 1e-3
+    with pytest.raises(ValueError, match="noise_mode"):
+        JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_mode="sometimes")
 
 
 def test_quantized_decode_matches_quantized_score(model):
