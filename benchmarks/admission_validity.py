@@ -35,14 +35,12 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 from opdjax import admission, budget as budget_mod  # noqa: E402
 
-# None of these is a point of configs/study_cpu.yaml (weight noise 0.003/0.01/0.02/0.03/0.05/0.08, staleness 2,
+# None of these is a point of configs/study_cpu.yaml (weight noise 0.003/0.01/0.02/0.03/0.05, staleness 2,
 # recipes fp8_w8a8 and e5m2_w8a8): noise levels between and beyond the study's, other staleness values, and
 # recipes with another scope (weights only; + FP8 KV cache; the KV cache alone).
 DEFAULT_CANDIDATES = [
-    "rollout.weight_noise=0.015",
+    "rollout.weight_noise=0.006",
     "rollout.weight_noise=0.04",
-    "rollout.weight_noise=0.065",
-    "rollout.weight_noise=0.1",
     "rollout.stale_versions=1",
     "rollout.stale_versions=4",
     "rollout.recipe=fp8_weights_only",

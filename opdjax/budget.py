@@ -14,9 +14,10 @@ the mismatch-free baseline point:  q_loss = (RKL_point - RKL_base) / RKL_base,  
 seeds; per seed q_s uses that seed's RKL, the point's q_loss is mean_s q_s and the spread (std, min, max) is shown.
 ``quality: accuracy`` uses the absolute accuracy drop  acc_base - acc_point  instead.
 
-The budget B (`fit_budget`) is the largest m_probe reached by walking the points in increasing M while every point
-so far has mean q_loss <= delta: it stops at the first point outside the tolerance, so a noisy high-M point that
-happens to land inside delta cannot stretch B.
+The budget B (`fit_budget`) is the largest m_probe at which the isotonic (monotone non-decreasing in M) regression
+of the points' mean q_loss stays <= delta: one noisy point is pooled with its neighbours rather than deciding B on
+its own, and a diverged point pools to +inf so nothing beyond it is admitted. `fit: first_failure` instead stops
+at the first raw point outside the tolerance.
 
 The study also reproduces the paper's other phenomena (each switchable): (a) the RL baseline (REINFORCE/GRPO on
 the task reward, `loss.name=reinforce`) versus OPD at the same weight-noise levels; (b) prefix shift — clean versus
@@ -50,6 +51,7 @@ from opdjax.config import ConfigError, TrainConfig, _deep_update, from_dict, loa
 Log = Callable[[str], None]
 
 QUALITIES = ("reverse_kl", "accuracy")
+FITS = ("isotonic", "first_failure")
 TRAIN_METRICS = ("k3", "k1", "abs_log_ratio_p95")  # per-step mismatch/<key> averaged over a run
 
 
@@ -132,6 +134,7 @@ class StudyConfig:
     probe_batches: int = 4
     quality: str = "reverse_kl"        # reverse_kl: relative increase of final held-out RKL; accuracy: abs. drop
     delta: float = 0.25                # tolerated quality loss
+    fit: str = "isotonic"              # isotonic (q_loss monotone in M) | first_failure (see fit_budget)
     keep_checkpoints: bool = False     # False: delete each run's checkpoints/ (the baseline keeps student_final)
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)
     shift: ShiftConfig = dataclasses.field(default_factory=ShiftConfig)
@@ -144,6 +147,8 @@ class StudyConfig:
             per_sequence_terms(self.metric, np.zeros((1, 1)), np.zeros((1, 1)), np.ones((1, 1)))
         except ValueError as e:
             raise ConfigError(f"metric: {e}") from None
+        if self.fit not in FITS:
+            raise ConfigError(f"fit={self.fit!r} is not valid; choose one of {list(FITS)}")
         if self.quality not in QUALITIES:
             raise ConfigError(f"quality={self.quality!r} is not valid; choose one of {list(QUALITIES)}")
         if not self.delta >= 0:
@@ -398,28 +403,69 @@ def quality_losses(records: Sequence[Mapping], baseline: Mapping[str, float], qu
     return out
 
 
-def fit_budget(points: Sequence[Mapping[str, Any]], delta: float) -> tuple[float, list[bool]]:
+def fit_budget(points: Sequence[Mapping[str, Any]], delta: float, method: str = "isotonic"
+               ) -> tuple[float, list[bool]]:
     """Budget B and each point's within-tolerance flag.
 
-    within_i = (q_loss_i <= delta)  (NaN/inf q_loss or a NaN m: not within).
-    Walk the points with finite m in increasing m (ties: all of them must be within); B is the m of the last
-    point before the first one that is not within (0.0 when the lowest-m point already fails or there are no
-    points). Points above that first failure never raise B, even when within — the fit is conservative.
+    within_i = (q_loss_i <= delta)  (NaN/inf q_loss: not within). Points without a finite m are ignored by the fit.
+    method "isotonic" (default): quality loss is assumed non-decreasing in M, so q_loss is replaced by its
+        isotonic (monotone non-decreasing) regression on M (`monotone_q_loss`); B is the largest m whose fitted
+        loss is <= delta (0.0 when none is). One noisy point is pooled with its neighbours instead of deciding B
+        alone; a diverged point (inf) pools to inf, so nothing at or beyond it is admitted.
+    method "first_failure": walk the points in increasing m (ties: all must be within); B is the m of the last
+        point before the first one not within — the most conservative reading of the raw points.
     """
+    if method not in FITS:
+        raise ValueError(f"fit method {method!r} is not valid; choose one of {list(FITS)}")
     within = [bool(math.isfinite(p["q_loss"]) and p["q_loss"] <= delta) if p.get("q_loss") is not None else False
               for p in points]
-    order = sorted((i for i, p in enumerate(points) if p.get("m") is not None and math.isfinite(p["m"])),
-                   key=lambda i: points[i]["m"])
+    fitted = monotone_q_loss(points) if method == "isotonic" else [
+        (0.0 if w else math.inf) if p.get("m") is not None and math.isfinite(p["m"]) else None
+        for p, w in zip(points, within)]
+    if method == "first_failure":  # the walk below is exactly "stop at the first failure" on 0/inf losses
+        fitted = _pool_ties_max(points, fitted)
     budget = 0.0
-    j = 0
-    while j < len(order):
-        m = points[order[j]]["m"]
-        tie = [i for i in order[j:] if points[i]["m"] == m]
-        if not all(within[i] for i in tie):
+    for i in sorted((i for i, f in enumerate(fitted) if f is not None), key=lambda i: points[i]["m"]):
+        if not fitted[i] <= delta:
             break
-        budget = float(m)
-        j += len(tie)
+        budget = float(points[i]["m"])
     return budget, within
+
+
+def _pool_ties_max(points, fitted):
+    """Tied m share the worst of their values (first_failure: every tied point must be within)."""
+    out = list(fitted)
+    for i, f in enumerate(fitted):
+        if f is not None:
+            out[i] = max(g for j, g in enumerate(fitted) if g is not None and points[j]["m"] == points[i]["m"])
+    return out
+
+
+def monotone_q_loss(points: Sequence[Mapping[str, Any]]) -> list[float | None]:
+    """Isotonic regression of q_loss on m (pool adjacent violators; NaN/inf count as +inf; tied m pooled first,
+    weighted by their count). None for points without a finite m or q_loss."""
+    idx = sorted((i for i, p in enumerate(points) if p.get("m") is not None and math.isfinite(p["m"])
+                  and p.get("q_loss") is not None), key=lambda i: points[i]["m"])
+    blocks: list[list] = []  # [sum, weight, members]
+    for i in idx:
+        q = float(points[i]["q_loss"])
+        q = q if math.isfinite(q) else math.inf
+        if blocks and points[blocks[-1][2][-1]]["m"] == points[i]["m"]:
+            blocks[-1][0] += q
+            blocks[-1][1] += 1
+            blocks[-1][2].append(i)
+        else:
+            blocks.append([q, 1, [i]])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s_, w_, m_ = blocks.pop()
+            blocks[-1][0] += s_
+            blocks[-1][1] += w_
+            blocks[-1][2].extend(m_)
+    out: list[float | None] = [None] * len(points)
+    for s_, w_, members in blocks:
+        for i in members:
+            out[i] = s_ / w_
+    return out
 
 
 def _spread(xs: Sequence[float]) -> dict[str, float]:
@@ -566,9 +612,11 @@ def run_study(study: StudyConfig, log: Log = print) -> dict[str, Any]:
                 "initial_reverse_kl": float(np.mean([r["initial_reverse_kl"] for r in base_recs])),
                 "initial_accuracy": float(np.mean([r["initial_accuracy"] for r in base_recs]))}
     rows = [aggregate(p, records[p.id], baseline, study.quality) for p in sweep]
-    budget, within = fit_budget([{"m": r["m_probe"], "q_loss": r["q_loss"]} for r in rows], study.delta)
-    for r, w in zip(rows, within):
+    pts = [{"m": r["m_probe"], "q_loss": r["q_loss"]} for r in rows]
+    budget, within = fit_budget(pts, study.delta, study.fit)
+    for r, w, f in zip(rows, within, monotone_q_loss(pts)):
         r["within_budget"] = w
+        r["q_loss_monotone"] = f
         r["admissible"] = bool(r["m_probe"] is not None and r["m_probe"] <= budget)
     phen = phenomena(study, sweep, extra, records, rows, baseline, log)
     compute = sum(r["probe_seconds"] + r["train_seconds"] for recs in records.values() for r in recs)
@@ -752,6 +800,7 @@ def plot(path: pathlib.Path, result: Mapping[str, Any]) -> None:
             ax.axvline(result["budget"], color="tab:red", ls="--", label=f"budget B = {result['budget']:.3g}")
         if key == "q_loss":
             ax.axhline(result["delta"], color="tab:red", ls=":", label=f"tolerance delta = {result['delta']}")
+            ax.set_yscale("symlog", linthresh=1.0)  # linear near the tolerance, log for diverged runs
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8, loc="best")
     fig.suptitle("Mismatch budget: quality vs mismatch (mean ± seed range; hollow = outside tolerance)")
@@ -774,9 +823,12 @@ def summary_markdown(result: Mapping[str, Any]) -> str:
          f"**Budget B = {result['budget']:.4g}** ({result['metric']} of engine vs learner on sampled tokens, measured "
          f"by the admission probe) at tolerance delta = {result['delta']}.", "",
          f"Quality loss: {result['quality']}. A point is within tolerance iff its *mean* loss over seeds "
-         f"({len(s['seeds'])}: {s['seeds']}) is ≤ delta; B is the largest M reached walking the points in increasing "
-         "M "
-         "until the first point outside the tolerance (conservative: later points never raise B).", "",
+         f"({len(s['seeds'])}: {s['seeds']}) is ≤ delta. "
+         + ("B is the largest M at which the isotonic (monotone non-decreasing in M) fit of the points' mean losses "
+            "stays ≤ delta, so one noisy point is pooled with its neighbours and a diverged point stops B."
+            if s.get("fit", "isotonic") == "isotonic" else
+            "B is the largest M reached walking the points in increasing M until the first point outside the "
+            "tolerance (conservative: later points never raise B)."), "",
          f"Runs: OPD ({base_cfg['loss']['name']}), {base_cfg['pipeline']['steps']} steps, "
          f"lr {base_cfg['optim']['lr']}, "
          f"batch {base_cfg['rollout']['batch_size']}, task {base_cfg['task']['name']}. Baseline (no mismatch): "
@@ -784,14 +836,15 @@ def summary_markdown(result: Mapping[str, Any]) -> str:
          f"{', '.join(f'{x:.3f}' for x in b['reverse_kl_seeds'])}), accuracy {b['initial_accuracy']:.2f} → "
          f"{b['accuracy']:.3f}.", "", "![quality vs mismatch](budget.png)", "",
          "| point | M probe (95% CI) | M train k3 | train k1 | train abs-log-ratio p95 | final RKL | accuracy | "
-         "q_loss mean (seed min..max) | within delta | M ≤ B |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+         "q_loss mean (seed min..max) | monotone fit | within delta | M ≤ B |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(result["points"], key=lambda r: (r["m_probe"] if r["m_probe"] is not None else -1)):
         ci = r["m_probe_ci"] or [None, None]
         sp = r["q_loss_spread"]
         L.append(f"| {r['id']} | {_f(r['m_probe'])} ({_f(ci[0])}–{_f(ci[1])}) | {_f(r['m_train'])} | "
                  f"{_f(r['m_train_k1'])} | {_f(r['m_train_abs_log_ratio_p95'])} | {r['q_reverse_kl']:.3f} | "
                  f"{r['q_accuracy']:.3f} | {r['q_loss']:+.3f} ({sp['min']:+.3f}..{sp['max']:+.3f}) | "
+                 f"{_f(r.get('q_loss_monotone'), '+.3f')} | "
                  f"{'yes' if r['within_budget'] else '**no**'} | {'yes' if r['admissible'] else 'no'} |")
     ph = result.get("phenomena", {})
     if "rl_vs_opd" in ph:

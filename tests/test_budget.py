@@ -24,6 +24,18 @@ def test_budget_is_last_point_before_first_failure_in_increasing_m():
     assert within == [False, True, True, True, True]
 
 
+def test_isotonic_fit_pools_a_noisy_point_and_first_failure_does_not():
+    # 0.01 lands just outside delta by noise, its neighbour well inside: pooled (0.15) they are within.
+    pts = _pts((0.0, 0.0), (0.01, 0.25), (0.02, 0.05), (0.1, 0.9))
+    assert budget.fit_budget(pts, delta=0.2) == (0.02, [True, False, True, False])
+    assert budget.fit_budget(pts, delta=0.2, method="first_failure")[0] == 0.0
+    assert budget.monotone_q_loss(pts) == [0.0, pytest.approx(0.15), pytest.approx(0.15), 0.9]
+    # a diverged point pools to inf: nothing at or beyond it counts, whatever follows
+    assert budget.fit_budget(_pts((0.0, 0.0), (0.01, math.inf), (0.02, 0.0)), 0.2)[0] == 0.0
+    with pytest.raises(ValueError, match="fit method"):
+        budget.fit_budget(pts, 0.2, method="median")
+
+
 def test_budget_tolerance_is_inclusive_and_all_within_gives_the_largest_m():
     b, within = budget.fit_budget(_pts((0.0, 0.0), (0.5, 0.2), (0.2, 0.2)), delta=0.2)
     assert b == 0.5 and all(within)
