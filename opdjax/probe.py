@@ -2,10 +2,11 @@
 
 Sample a few batches of training prompts with the candidate engine (`cfg.rollout`: engine, recipe, weight noise,
 staleness, vLLM options), rescore the same tokens with the learner's forward (f32/bf16, no quantization), and
-compute `mismatch.metrics`. For staleness k the probe first takes k throwaway learner steps, publishing nothing, so
-the engine serves weights k versions behind the learner — what a training step sees. Those steps run at the peak
-learning rate (warm-up skipped): the probe stands for the bulk of a run, and k steps inside a warm-up would move the
-weights a fraction of what they move later (M would come out several times too small).
+compute `mismatch.metrics`. For staleness k the probe first trains through the learning-rate warm-up and k more
+steps (W + k throwaway steps, W = optim.warmup_steps, each published to the engine, which serves the weights k
+versions back), so the engine is k versions behind a learner at its peak learning rate with warmed-up Adam
+moments — what a training step sees. (k steps at step 0 would be either inside the warm-up, several times too
+small, or Adam's first sign-like steps at full learning rate, an order of magnitude too large.)
 
 M is the chosen metric (default k3) over all probe tokens, with a 95% bootstrap CI over sequences.
 """
@@ -34,6 +35,7 @@ class ProbeResult:
     metrics: dict[str, float]
     seconds: float
     tokens: int
+    staleness: int = 0  # learner version - the version the engine sampled with (k for stale_versions=k)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -72,20 +74,22 @@ def probe(cfg: TrainConfig, *, batches: int = 4, metric: str = "k3", seed: int =
     from opdjax import pipeline
 
     t0 = time.time()
-    if cfg.rollout.stale_versions:
-        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, warmup_steps=0))
     run = pipeline.build(cfg, log=log, with_teacher=bool(cfg.rollout.stale_versions))
     state = run.learner.init(run.params)
     stream = PromptStream(run.task, seed=cfg.seed + 31 + seed)
     k = cfg.rollout.stale_versions
+    learner_version = 0
     if k:
-        # Throwaway learner steps: the engine keeps serving version 0 while the learner moves k versions ahead.
-        for i in range(k):
+        # Throwaway steps, each published: the engine (stale_versions=k) serves version W while the learner is at
+        # W + k.
+        for i in range(cfg.optim.warmup_steps + k):
             examples = stream.next(cfg.rollout.batch_size)
             batch = pipeline.generate(run, examples, seed=10_000 + i)
             state, _ = run.learner.train_step(state, pipeline.learner_batch(run, batch, examples))
+            learner_version = i + 1
+            pipeline.publish(run, state.params, learner_version)
     sums, counts, tokens = [], [], 0
-    s_all, r_all, m_all = [], [], []
+    s_all, r_all, m_all, served = [], [], [], []
     for b in range(batches):
         examples = stream.next(cfg.rollout.batch_size)
         batch = pipeline.generate(run, examples, seed=20_000 + 97 * seed + b)
@@ -97,6 +101,7 @@ def probe(cfg: TrainConfig, *, batches: int = 4, metric: str = "k3", seed: int =
         s_all.append(student)
         r_all.append(batch.rollout_logp_BL.astype(np.float32))
         m_all.append(batch.completion_mask_BL)
+        served.append(int(np.min(batch.version_B)))
     sums_B, counts_B = np.concatenate(sums), np.concatenate(counts)
     L = max(x.shape[1] for x in s_all)
     pad = lambda xs: np.concatenate([np.pad(x, ((0, 0), (0, L - x.shape[1]))) for x in xs])  # noqa: E731
@@ -104,7 +109,8 @@ def probe(cfg: TrainConfig, *, batches: int = 4, metric: str = "k3", seed: int =
     lo, hi = bootstrap_ci(sums_B, counts_B, seed=seed)
     m = float(sums_B.sum() / max(counts_B.sum(), 1))
     return ProbeResult(metric=metric, m=m, ci_low=lo, ci_high=hi,
-                       metrics={k_: float(v) for k_, v in full.items()}, seconds=time.time() - t0, tokens=tokens)
+                       metrics={k_: float(v) for k_, v in full.items()}, seconds=time.time() - t0, tokens=tokens,
+                       staleness=learner_version - min(served))
 
 
 def cache_amax(graphdef, params, mcfg, tokens_BL, valid_BL) -> np.ndarray:

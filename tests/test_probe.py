@@ -29,3 +29,12 @@ def test_probe_is_zero_for_the_clean_engine_and_positive_for_simulated_fp8(pair)
     assert clean.m < 1e-9 and clean.tokens > 0
     assert fp8.m > 10 * max(clean.m, 1e-12) and fp8.ci_low <= fp8.m <= fp8.ci_high
     assert fp8.metrics["k3"] == pytest.approx(fp8.m, rel=1e-3)
+
+
+def test_staleness_probe_serves_k_versions_behind_a_warmed_up_learner(pair):
+    base = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
+            "optim.warmup_steps=2", "optim.lr=0.01"]
+    stale = probe(load(TrainConfig, None, base + ["rollout.stale_versions=2"]), batches=2, log=lambda s: None)
+    assert stale.staleness == 2 and stale.m > 1e-6
+    fresh = probe(load(TrainConfig, None, base), batches=2, log=lambda s: None)
+    assert fresh.staleness == 0 and fresh.m < 1e-9
