@@ -93,7 +93,10 @@ def load_budget(path: str | pathlib.Path) -> Budget:
     metric, b = d["metric"], d["budget"]
     if not isinstance(metric, str) or not metric:
         raise AdmissionError(f"budget file {p}: 'metric' must be a metric name such as 'k3', got {metric!r}")
-    if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b < 0:
+    if isinstance(b, bool) or not isinstance(b, (int, float)):
+        raise AdmissionError(f"budget file {p}: 'budget' has the wrong type ({type(b).__name__}); expected a finite "
+                             f"number >= 0, got {b!r}")
+    if not math.isfinite(b) or b < 0:
         raise AdmissionError(f"budget file {p}: 'budget' must be a finite number >= 0, got {b!r}")
     delta = d.get("delta")
     if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float))):

@@ -46,6 +46,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import yaml
 
+from opdjax.admission import AdmissionError, load_budget
 from opdjax.config import ConfigError, TrainConfig, _deep_update, from_dict, load, to_dict
 
 Log = Callable[[str], None]
@@ -419,26 +420,16 @@ def fit_budget(points: Sequence[Mapping[str, Any]], delta: float, method: str = 
         raise ValueError(f"fit method {method!r} is not valid; choose one of {list(FITS)}")
     within = [bool(math.isfinite(p["q_loss"]) and p["q_loss"] <= delta) if p.get("q_loss") is not None else False
               for p in points]
-    fitted = monotone_q_loss(points) if method == "isotonic" else [
-        (0.0 if w else math.inf) if p.get("m") is not None and math.isfinite(p["m"]) else None
-        for p, w in zip(points, within)]
-    if method == "first_failure":  # the walk below is exactly "stop at the first failure" on 0/inf losses
-        fitted = _pool_ties_max(points, fitted)
+    if method == "isotonic":
+        ok = {i: f <= delta for i, f in enumerate(monotone_q_loss(points)) if f is not None}
+    else:
+        ok = {i: within[i] for i, p in enumerate(points) if p.get("m") is not None and math.isfinite(p["m"])}
     budget = 0.0
-    for i in sorted((i for i, f in enumerate(fitted) if f is not None), key=lambda i: points[i]["m"]):
-        if not fitted[i] <= delta:
+    for m in sorted({points[i]["m"] for i in ok}):  # increasing m; tied points stand or fall together
+        if not all(v for i, v in ok.items() if points[i]["m"] == m):
             break
-        budget = float(points[i]["m"])
+        budget = float(m)
     return budget, within
-
-
-def _pool_ties_max(points, fitted):
-    """Tied m share the worst of their values (first_failure: every tied point must be within)."""
-    out = list(fitted)
-    for i, f in enumerate(fitted):
-        if f is not None:
-            out[i] = max(g for j, g in enumerate(fitted) if g is not None and points[j]["m"] == points[i]["m"])
-    return out
 
 
 def monotone_q_loss(points: Sequence[Mapping[str, Any]]) -> list[float | None]:
@@ -957,30 +948,8 @@ def _corr_verdict(c, delta) -> str:
 
 # ----------------------------------------------------------------------------------------------------- budget file
 
-
-class BudgetError(ValueError):
-    """A budget file that is missing or does not have the budget.json schema."""
-
-
-def load_budget(path: str | pathlib.Path) -> dict[str, Any]:
-    """Read budget.json, checking the fields `admit` needs (metric, budget, delta, points)."""
-    p = pathlib.Path(path)
-    if not p.is_file():
-        raise BudgetError(f"budget file {p} does not exist (run `opdjax study` first)")
-    try:
-        d = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise BudgetError(f"{p}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise BudgetError(f"{p}: expected a JSON object, got {type(d).__name__}")
-    for key, typ in (("metric", str), ("budget", (int, float)), ("delta", (int, float)), ("points", list)):
-        if key not in d:
-            raise BudgetError(f"{p}: missing field {key!r}")
-        if not isinstance(d[key], typ) or isinstance(d[key], bool):
-            raise BudgetError(f"{p}: field {key!r} has the wrong type ({type(d[key]).__name__})")
-    if not (math.isfinite(d["budget"]) and d["budget"] >= 0):
-        raise BudgetError(f"{p}: budget must be a finite number >= 0, got {d['budget']}")
-    return d
+# budget.json has one reader, `admission.load_budget` (-> admission.Budget); a bad file raises AdmissionError.
+BudgetError = AdmissionError
 
 
 # ----------------------------------------------------------------------------------------------------- CLI
