@@ -899,6 +899,12 @@ def summary_markdown(result: Mapping[str, Any]) -> str:
     return "\n".join(L) + "\n"
 
 
+def straddles(q_loss_seeds: Sequence[float], delta: float) -> bool:
+    """True when some seeds' quality loss is within delta and others beyond it (a seed-decided full-run verdict)."""
+    within = [q <= delta for q in q_loss_seeds]
+    return any(within) and not all(within)
+
+
 def validity_markdown(rep: Mapping[str, Any], current_budget: float | None = None) -> str:
     """The admission-validity table (benchmarks/admission_validity.py writes `validity.json`)."""
     L = [f"Candidates that are not study points: the probe verdict of `opdjax admit` against B = {rep['budget']:.3g} "
@@ -907,14 +913,21 @@ def validity_markdown(rep: Mapping[str, Any], current_budget: float | None = Non
     if current_budget is not None and not math.isclose(current_budget, rep["budget"], rel_tol=1e-9):
         L += [f"*Validated against B = {rep['budget']:.4g}; the study's B is now {current_budget:.4g} — rerun "
               "`python benchmarks/admission_validity.py`.*", ""]
-    L += ["| candidate | probe M [95% CI] | probe verdict | full-run RKL per seed | q_loss | full run | agree |",
-          "|---|---|---|---|---|---|---|"]
+    L += ["| candidate | probe M [95% CI] | probe verdict | full-run RKL per seed | q_loss per seed | q_loss | "
+          "full run | agree |", "|---|---|---|---|---|---|---|---|"]
+    split = {True: [0, 0], False: [0, 0]}  # straddles delta -> [agree, n]
     for r in rep["rows"]:
         rkl = " / ".join(f"{x:.2f}" for x in r["reverse_kl_seeds"])
+        qs = " / ".join(f"{x:+.2f}" for x in r["q_loss_seeds"])
+        st = straddles(r["q_loss_seeds"], rep["delta"])
+        split[st][0] += bool(r["agree"])
+        split[st][1] += 1
         L.append(f"| `{r['candidate']}` | {r['m']:.2e} [{r['ci'][0]:.2e}, {r['ci'][1]:.2e}] | {r['verdict']} | "
-                 f"{rkl} | {r['q_loss']:+.2f} | {'admit' if r['should_admit'] else 'reject'} | "
-                 f"{'yes' if r['agree'] else '**no**'} |")
-    L += ["", f"Agreement: **{rep['agreement']}/{rep['n']}** (target ≥ 5 of 6).", "",
+                 f"{rkl} | {qs} | {r['q_loss']:+.2f} | {'admit' if r['should_admit'] else 'reject'}"
+                 f"{' (seeds straddle delta)' if st else ''} | {'yes' if r['agree'] else '**no**'} |")
+    L += ["", f"Agreement: **{rep['agreement']}/{rep['n']}** (target ≥ 5 of 6): {split[False][0]}/{split[False][1]} "
+          f"where every seed's q_loss falls on the same side of delta, {split[True][0]}/{split[True][1]} where the "
+          "seeds straddle it (there the full-run verdict itself is decided by the seed draw).", "",
           f"Probe cost: `opdjax admit` took {rep['admit_wall_seconds']:.1f} s for {rep['n']} candidates "
           f"({rep['probe_seconds_per_candidate']:.1f} s each, model load and compilation included; slowest single "
           f"probe {rep['max_probe_seconds']:.1f} s) against {rep['mean_study_point_seconds']:.0f} s for one study "

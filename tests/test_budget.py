@@ -204,3 +204,20 @@ def test_prefix_shift_without_noise_reproduces_the_clean_samples(pair):
     assert abs(clean["seq_kl"]) < 1e-5
     (noisy,) = budget.prefix_shift(pair[0], cfg, [1.0], prompts=16, seeds=[0])
     assert noisy["frac_diverged"] > 0 and noisy["same_prefix_at_1"] < 1.0
+
+
+def test_validity_table_separates_seed_decided_verdicts():
+    row = lambda c, v, qs, agree: {"candidate": c, "m": 1e-3, "ci": [5e-4, 2e-3], "verdict": v,  # noqa: E731
+                                   "reverse_kl_seeds": [1.0] * len(qs), "q_loss_seeds": qs,
+                                   "q_loss": sum(qs) / len(qs), "should_admit": sum(qs) / len(qs) <= 2.0,
+                                   "agree": agree}
+    rep = {"budget": 1e-3, "metric": "k3", "delta": 2.0, "seeds": [0, 1], "agreement": 2, "n": 3,
+           "rows": [row("a", "ADMIT", [0.5, 1.0], True), row("b", "REJECT", [3.0, 9.0], True),
+                    row("c", "REJECT", [2.5, 0.1], False)],
+           "admit_wall_seconds": 3.0, "probe_seconds_per_candidate": 1.0, "max_probe_seconds": 1.5,
+           "mean_study_point_seconds": 100.0, "probe_cost_ratio": 0.01}
+    md = budget.validity_markdown(rep)
+    assert budget.straddles([2.5, 0.1], 2.0) and not budget.straddles([3.0, 9.0], 2.0)
+    assert "2/2 where every seed's q_loss falls on the same side of delta, 0/1 where the seeds straddle" in md
+    assert md.count("(seeds straddle delta)") == 1
+    assert "**1.0%**" in md
