@@ -44,6 +44,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import platform
 import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -51,7 +52,8 @@ from typing import Any, Callable, Mapping, Sequence
 from opdjax import quant
 
 __all__ = [
-    "AdmissionError", "Budget", "load_budget", "verdict", "split_candidate",
+    "AdmissionError", "Budget", "load_budget", "verdict", "split_candidate", "setup_fingerprint",
+    "calibration_warning",
     "candidate_config", "AdmitRow", "admit", "format_admit_table", "exit_code",
     "Unit", "units", "unit_recipe", "full_fp8_recipe", "sensitivity", "SearchResult", "recipe_search",
     "vllm_settings", "capacity_report", "model_config", "PRESET_MODELS", "add_admission_commands",
@@ -74,6 +76,7 @@ class Budget:
     budget: float
     delta: float | None = None
     path: str | None = None
+    calibrated_on: Mapping[str, Any] | None = None  # `setup_fingerprint` of the study's setup, when recorded
 
 
 def load_budget(path: str | pathlib.Path) -> Budget:
@@ -101,7 +104,73 @@ def load_budget(path: str | pathlib.Path) -> Budget:
     delta = d.get("delta")
     if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float))):
         raise AdmissionError(f"budget file {p}: 'delta' must be a number, got {delta!r}")
-    return Budget(metric=metric, budget=float(b), delta=None if delta is None else float(delta), path=str(p))
+    on = d.get("calibrated_on")
+    if on is not None and not isinstance(on, dict):
+        raise AdmissionError(f"budget file {p}: 'calibrated_on' must be an object (a setup fingerprint), got {on!r}")
+    return Budget(metric=metric, budget=float(b), delta=None if delta is None else float(delta), path=str(p),
+                  calibrated_on=on)
+
+
+def _weights_sha256(model_dir: str | pathlib.Path) -> str:
+    """sha256 over a model directory's *.safetensors files (sorted by name; their bytes, names excluded)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    files = sorted(pathlib.Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise AdmissionError(f"model directory {model_dir} has no *.safetensors weights to fingerprint")
+    for f in files:
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def setup_fingerprint(cfg, log=print) -> dict[str, Any]:
+    """What a budget is a property of: the student and teacher weights (sha256), the task, and the software and
+    machine that made them. The built-in models are trained locally (chaotic SGD in float32), so their bits can
+    differ between machines and library versions: two machines can calibrate different pairs from one config."""
+    import jax
+    import jaxlib
+
+    from opdjax.config import to_dict
+    from opdjax.pipeline import resolve_models
+
+    student, teacher = resolve_models(cfg, log=log)
+    return {"student_sha256": _weights_sha256(student), "teacher_sha256": _weights_sha256(teacher),
+            "student": str(student), "teacher": str(teacher), "task": to_dict(cfg.task),
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "machine": f"{platform.system()} {platform.machine()} ({_cpu_name()})"}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown cpu"
+
+
+def calibration_warning(budget: Budget, fingerprint: Mapping[str, Any]) -> str | None:
+    """A warning when `budget` was fit on other student or teacher weights than `fingerprint`'s (else None).
+
+    A budget is the mismatch one training setup tolerates; applied to another student/teacher pair it is only a
+    guess. Budgets from before fingerprints were recorded cannot be checked (None).
+    """
+    on = budget.calibrated_on
+    if not on:
+        return None
+    diff = [role for role in ("student", "teacher")
+            if on.get(f"{role}_sha256") and on.get(f"{role}_sha256") != fingerprint.get(f"{role}_sha256")]
+    if not diff:
+        return None
+    what = " and ".join(f"{r} weights {str(on[f'{r}_sha256'])[:12]} (now {str(fingerprint[f'{r}_sha256'])[:12]})"
+                        for r in diff)
+    return (f"budget {budget.path or ''} was calibrated on {what}, made with jax {on.get('jax', '?')} on "
+            f"{on.get('machine', '?')}: B is the mismatch that setup tolerates, and this one may tolerate more or "
+            f"less; rerun `opdjax study` here to calibrate it")
 
 
 def verdict(ci_low: float, ci_high: float, budget: float) -> str:
@@ -633,8 +702,17 @@ def _guard(fn):
     return wrapped
 
 
+def _warn_if_other_setup(budget: Budget, cfg) -> None:
+    if not budget.calibrated_on:
+        return  # nothing to compare with (and no reason to resolve or hash the models)
+    msg = calibration_warning(budget, setup_fingerprint(cfg, log=lambda m: None))
+    if msg:
+        print(f"warning: {msg}", file=sys.stderr)
+
+
 def _cmd_admit(args) -> int:
     budget = load_budget(args.budget)
+    _warn_if_other_setup(budget, candidate_config(args.config, args.set or []))
     rows = admit(args.candidates, budget, config=args.config, overrides=args.set or [], batches=args.batches,
                  seed=args.seed)
     print(format_admit_table(rows, budget))
@@ -678,6 +756,7 @@ def _cmd_sensitivity(args) -> int:
 def _cmd_recipe_search(args) -> int:
     budget = load_budget(args.budget)
     cfg = candidate_config(args.config, args.overrides)
+    _warn_if_other_setup(budget, cfg)
     res = recipe_search(cfg, budget, margin=args.margin, by=args.by, batches=args.batches, seed=args.seed,
                         memory_bytes=args.memory_gb * (1 << 30), name=args.name, kv_scales=_kv_scales_arg(args, cfg))
     paths = write_search(res, budget, args.margin, args.out)

@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import yaml
 
-from opdjax.admission import AdmissionError, load_budget
+from opdjax.admission import AdmissionError, load_budget, setup_fingerprint
 from opdjax.config import ConfigError, TrainConfig, _deep_update, from_dict, load, to_dict
 
 Log = Callable[[str], None]
@@ -618,6 +618,7 @@ def run_study(study: StudyConfig, log: Log = print) -> dict[str, Any]:
         "timing": {"compute_seconds": compute, "wall_seconds_this_invocation": time.time() - t_start,
                    "runs": len(todo), "runs_this_invocation": ran},
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "calibrated_on": setup_fingerprint(study.train_config_for({}, study.seeds[0]), log=lambda m: None),
         "config": {"study": to_dict(study), "base_train_config": to_dict(study.train_config_for({}, study.seeds[0]))},
     }
     validity = root / "validity.json"  # from benchmarks/admission_validity.py, rendered in the summary
@@ -806,6 +807,14 @@ def _f(x, fmt=".3g") -> str:
     return format(x, fmt)
 
 
+def _calibrated_on_lines(on: Mapping[str, Any] | None) -> list[str]:
+    if not on:
+        return []
+    return [f"Calibrated on: student weights sha256 `{on['student_sha256'][:16]}`, "
+            f"teacher `{on['teacher_sha256'][:16]}` (jax {on.get('jax', '?')}, {on.get('machine', '?')}). The built-in pair is trained locally, so it can differ "
+            f"between machines; `opdjax admit` warns when it probes other weights.", ""]
+
+
 def summary_markdown(result: Mapping[str, Any]) -> str:
     s = result["config"]["study"]
     b = result["baseline"]
@@ -825,7 +834,8 @@ def summary_markdown(result: Mapping[str, Any]) -> str:
          f"batch {base_cfg['rollout']['batch_size']}, task {base_cfg['task']['name']}. Baseline (no mismatch): "
          f"held-out reverse KL {b['initial_reverse_kl']:.2f} → {b['reverse_kl']:.3f} (seeds "
          f"{', '.join(f'{x:.3f}' for x in b['reverse_kl_seeds'])}), accuracy {b['initial_accuracy']:.2f} → "
-         f"{b['accuracy']:.3f}.", "", "![quality vs mismatch](budget.png)", "",
+         f"{b['accuracy']:.3f}.", "", *_calibrated_on_lines(result.get("calibrated_on")),
+         "![quality vs mismatch](budget.png)", "",
          "| point | M probe (95% CI) | M train k3 | train k1 | train abs-log-ratio p95 | final RKL | accuracy | "
          "q_loss mean (seed min..max) | monotone fit | within delta | M ≤ B |",
          "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -306,3 +306,34 @@ def test_calibrated_kv_scales_cut_the_fp8_kv_mismatch(pair):
     cal = admission._probe_recipe(cfg, admission.unit_recipe(kv, kv_scales=scales), probe, batches=2, metric="k3",
                                   seed=0)
     assert 0 < cal.m < fixed.m
+
+
+# ------------------------------------------------------------------------------------------------------ calibration
+
+
+def _sha256(path) -> str:
+    import hashlib
+    import pathlib
+
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+
+
+def test_setup_fingerprint_hashes_the_student_and_teacher_weights(pair):
+    fp = admission.setup_fingerprint(admission.candidate_config(None, [f"student={pair[0]}", f"teacher={pair[1]}"]),
+                                     log=lambda m: None)
+    assert fp["student_sha256"] == _sha256(f"{pair[0]}/model.safetensors")
+    assert fp["teacher_sha256"] == _sha256(f"{pair[1]}/model.safetensors") != fp["student_sha256"]
+    assert fp["jax"] and fp["machine"] and fp["task"]["name"] == "addition"
+
+
+def test_calibration_warning_names_the_setup_that_differs(tmp_path):
+    on = {"student_sha256": "a" * 64, "teacher_sha256": "b" * 64, "jax": "0.10.2", "machine": "Linux x86_64 (cpu)"}
+    b = admission.load_budget(write_budget(tmp_path, calibrated_on=on))
+    assert b.calibrated_on == on
+    assert admission.calibration_warning(b, dict(on)) is None
+    msg = admission.calibration_warning(b, {**on, "student_sha256": "c" * 64})
+    assert "student weights aaaaaaaaaaaa (now cccccccccccc)" in msg and "teacher" not in msg
+    assert "rerun `opdjax study`" in msg and "jax 0.10.2" in msg
+    assert admission.calibration_warning(Budget("k3", 0.01), {"student_sha256": "c" * 64}) is None  # no record
+    with pytest.raises(AdmissionError, match="'calibrated_on' must be an object"):
+        admission.load_budget(write_budget(tmp_path, calibrated_on="yesterday"))

@@ -120,6 +120,13 @@ def test_small_study_writes_all_outputs_and_resume_skips_finished_runs(pair, tmp
     assert out["budget"] == saved["budget"] >= base["m_probe"]
     assert "Budget B" in (root / "summary.md").read_text()
     assert len(list((root / "results").rglob("*.json"))) == 2
+    # What the budget was calibrated on: the exact student and teacher weights.
+    import hashlib
+
+    for role, path in zip(("student", "teacher"), pair):
+        want = hashlib.sha256(open(f"{path}/model.safetensors", "rb").read()).hexdigest()
+        assert saved["calibrated_on"][f"{role}_sha256"] == want
+    assert f"student weights sha256 `{saved['calibrated_on']['student_sha256'][:16]}`" in (root / "summary.md").read_text()
 
     # Resume: nothing reruns when every result is saved ...
     calls = []
