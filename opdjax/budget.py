@@ -811,8 +811,9 @@ def _calibrated_on_lines(on: Mapping[str, Any] | None) -> list[str]:
     if not on:
         return []
     return [f"Calibrated on: student weights sha256 `{on['student_sha256'][:16]}`, "
-            f"teacher `{on['teacher_sha256'][:16]}` (jax {on.get('jax', '?')}, {on.get('machine', '?')}). The built-in pair is trained locally, so it can differ "
-            f"between machines; `opdjax admit` warns when it probes other weights.", ""]
+            f"teacher `{on['teacher_sha256'][:16]}` (jax {on.get('jax', '?')}, {on.get('machine', '?')}). "
+            "The built-in pair is trained locally, so it can differ between machines; `opdjax admit` warns when it "
+            "probes other weights.", ""]
 
 
 def summary_markdown(result: Mapping[str, Any]) -> str:

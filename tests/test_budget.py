@@ -1,7 +1,9 @@
 """The mismatch-budget study: budget fit on synthetic points, a small end-to-end study, resume, prefix shift."""
 
+import hashlib
 import json
 import math
+import pathlib
 
 import pytest
 
@@ -121,12 +123,11 @@ def test_small_study_writes_all_outputs_and_resume_skips_finished_runs(pair, tmp
     assert "Budget B" in (root / "summary.md").read_text()
     assert len(list((root / "results").rglob("*.json"))) == 2
     # What the budget was calibrated on: the exact student and teacher weights.
-    import hashlib
-
     for role, path in zip(("student", "teacher"), pair):
-        want = hashlib.sha256(open(f"{path}/model.safetensors", "rb").read()).hexdigest()
+        want = hashlib.sha256(pathlib.Path(path, "model.safetensors").read_bytes()).hexdigest()
         assert saved["calibrated_on"][f"{role}_sha256"] == want
-    assert f"student weights sha256 `{saved['calibrated_on']['student_sha256'][:16]}`" in (root / "summary.md").read_text()
+    short = saved["calibrated_on"]["student_sha256"][:16]
+    assert f"student weights sha256 `{short}`" in (root / "summary.md").read_text()
 
     # Resume: nothing reruns when every result is saved ...
     calls = []
@@ -152,8 +153,6 @@ def _fake_runs(monkeypatch):
     from opdjax import pipeline, probe
 
     def fake_train(cfg, log=print):
-        import pathlib
-
         out = pathlib.Path(cfg.pipeline.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         s = cfg.rollout.weight_noise + 0.01 * cfg.rollout.stale_versions
