@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import pathlib
@@ -113,8 +114,6 @@ def load_budget(path: str | pathlib.Path) -> Budget:
 
 def _weights_sha256(model_dir: str | pathlib.Path) -> str:
     """sha256 over a model directory's *.safetensors files (sorted by name; their bytes, names excluded)."""
-    import hashlib
-
     h = hashlib.sha256()
     files = sorted(pathlib.Path(model_dir).glob("*.safetensors"))
     if not files:

@@ -611,6 +611,7 @@ def run_study(study: StudyConfig, log: Log = print) -> dict[str, Any]:
         r["admissible"] = bool(r["m_probe"] is not None and r["m_probe"] <= budget)
     phen = phenomena(study, sweep, extra, records, rows, baseline, log)
     compute = sum(r["probe_seconds"] + r["train_seconds"] for recs in records.values() for r in recs)
+    base_cfg = study.train_config_for({}, study.seeds[0])
     out = {
         "metric": study.metric, "budget": budget, "delta": study.delta,
         "quality": _quality_text(study.quality),
@@ -618,8 +619,8 @@ def run_study(study: StudyConfig, log: Log = print) -> dict[str, Any]:
         "timing": {"compute_seconds": compute, "wall_seconds_this_invocation": time.time() - t_start,
                    "runs": len(todo), "runs_this_invocation": ran},
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
-        "calibrated_on": setup_fingerprint(study.train_config_for({}, study.seeds[0]), log=lambda m: None),
-        "config": {"study": to_dict(study), "base_train_config": to_dict(study.train_config_for({}, study.seeds[0]))},
+        "calibrated_on": setup_fingerprint(base_cfg, log=lambda m: None),
+        "config": {"study": to_dict(study), "base_train_config": to_dict(base_cfg)},
     }
     validity = root / "validity.json"  # from benchmarks/admission_validity.py, rendered in the summary
     if validity.is_file():

@@ -4,7 +4,9 @@ tiny random models."""
 
 import argparse
 import dataclasses
+import hashlib
 import json
+import pathlib
 
 import pytest
 
@@ -312,9 +314,6 @@ def test_calibrated_kv_scales_cut_the_fp8_kv_mismatch(pair):
 
 
 def _sha256(path) -> str:
-    import hashlib
-    import pathlib
-
     return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
