@@ -16,6 +16,18 @@ Quantization (one formula for every granularity; `amax` is taken over the granul
     q     = cast(clip(x * (1 / scale), -fmt_max, fmt_max)) (int8: round before the cast)
     x'    = q * scale                                     (dequantize; computed in float32, cast to x's dtype)
 
+**Why no compiler can drop the rounding.** A plain `x.astype(f8).astype(f32)` is a pair of converts that XLA's GPU
+compiler removes under its default `xla_allow_excess_precision` (the round trip is then a silent no-op: measured on
+an H200, k3 = 0.0 exactly for an FP8 recipe; an `optimization_barrier` between the converts does not help either,
+since XLA expands barriers into control dependencies before its simplifiers run). So the dequantizer never converts
+FP8 back to float: it reinterprets the stored byte (`bitcast_convert_type` to uint8) and decodes sign, exponent and
+mantissa with integer arithmetic into the float32 bit pattern (`_decode_f8`; subnormals as m * 2^(1-bias-M)). No
+compiler may fold that back into the input, because the bits of the FP8 value are data to it, and the result is
+bit-identical to `q.astype(float32)` for every finite code (tested over all 256). int8 needs nothing: round and clip
+already produce the quantized values, so its converts are exact whether or not a compiler keeps them.
+`check_effective` verifies on the current backend, inside a jit as the engines run it, that a recipe's
+quantization changes a probe tensor; engines call it at construction.
+
 Divisions are written as multiplications by float32 reciprocals on purpose: XLA's CPU compiler rewrites `a / c`
 and `a / broadcast(s)` into `a * (1/c)` (seen with jax 0.10), so a literal division would not be bit-stable across
 programs and backends, while a multiplication is. A vLLM scale computed as a true `amax / fmt_max` can differ from
@@ -55,6 +67,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 Array = jax.Array
@@ -63,7 +76,7 @@ __all__ = [
     "AMAX_EPS", "FORMATS", "GRANULARITIES", "QFormat", "RecipeError",
     "quantize", "dequantize", "qdq",
     "QSpec", "Recipe", "ForwardQuant", "forward_quant", "RECIPES", "FP8_DEFAULT", "get_recipe", "as_recipe",
-    "module_spec", "apply_to_named", "quantize_named", "dequantize_named", "calibrate_kv_scales",
+    "module_spec", "apply_to_named", "check_effective", "IneffectiveQuantError", "quantize_named", "dequantize_named", "calibrate_kv_scales",
     "add_weight_noise",
     "kv_cache_bytes_per_token", "weight_bytes", "kv_capacity_tokens", "llama_weight_shapes",
 ]
@@ -182,12 +195,39 @@ def _quantize_impl(x, scale, fmt, granularity, block, axis, channel_axis):
     return _cast(x32 * inv_full, f), scale
 
 
+def _decode_f8(q: Array) -> Array:
+    """float32(q) for an FP8 array, computed from its bits so that no compiler can cancel it against the cast.
+
+    bits = s | e (E bits) | m (M bits), bias b:  normal (e > 0)   -> f32 bits s<<31 | (e - b + 127)<<23 | m<<(23-M)
+                                                 subnormal (e = 0) -> (-1)^s * m * 2^(1 - b - M)
+    Exact for every finite code (inf/NaN codes never occur: the quantizer clips to ±fmt_max first).
+    """
+    fi = ml_dtypes.finfo(q.dtype)
+    E, M = int(fi.nexp), int(fi.nmant)
+    bias = 1 - int(fi.minexp)  # e4m3fn: 7, e5m2: 15
+    u = jax.lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.uint32)
+    sign = (u >> (E + M)) << 31
+    e = (u >> M) & ((1 << E) - 1)
+    m = u & ((1 << M) - 1)
+    normal = jax.lax.bitcast_convert_type(sign | ((e + (127 - bias)) << 23) | (m << (23 - M)), jnp.float32)
+    sub = m.astype(jnp.float32) * np.float32(2.0 ** (1 - bias - M))
+    sub = jnp.where(sign != 0, -sub, sub)
+    return jnp.where(e > 0, normal, sub)
+
+
+def _to_f32(q: Array) -> Array:
+    """float32 values of stored codes: FP8 through `_decode_f8`, int8 (and anything else) by a plain cast."""
+    if jnp.dtype(q.dtype).itemsize == 1 and jnp.issubdtype(q.dtype, jnp.floating):
+        return _decode_f8(q)
+    return q.astype(jnp.float32)
+
+
 def _dequantize_impl(q, scale, dtype, block):
-    """The one dequantizer behind `dequantize` and `qdq`: (f32(q) * scale) -> dtype."""
+    """The one dequantizer behind `dequantize` and `qdq`: (f32(q) * scale) -> dtype, f32(q) from q's bits."""
     scale = jnp.asarray(scale, jnp.float32)
     if block is not None:
         scale = _expand_block_scale(scale, q.shape, block)
-    return (q.astype(jnp.float32) * scale).astype(dtype)
+    return (_to_f32(q) * scale).astype(dtype)
 
 
 _STATIC = ("fmt", "granularity", "block", "axis", "channel_axis")
@@ -657,6 +697,72 @@ def _layer_kv_scale(kv_scales: tuple, layer: int | Array, kind_index: int) -> Ar
 def forward_quant(recipe: "Recipe | str | Mapping[str, Any] | None", *, ste: bool = False) -> ForwardQuant:
     """ForwardQuant for a recipe, a preset name, a YAML mapping, or None (no quantization)."""
     return ForwardQuant(as_recipe(recipe), ste=ste)
+
+
+class IneffectiveQuantError(RecipeError):
+    """A recipe whose simulated quantization leaves values unchanged on this backend (it would measure nothing)."""
+
+
+def _probe_tensor(dtype: Any) -> Array:
+    """A fixed [4, 8, 2, 64] probe (N(0, 1) values times 3, from numpy's seed 0) in `dtype`."""
+    x = np.random.default_rng(0).standard_normal((4, 8, 2, 64)).astype(np.float32) * 3.0
+    return jnp.asarray(x, dtype)
+
+
+# A value counts as quantized when it moved by more than this relative amount: FP8/int8 rounding moves most values
+# by 0.1-10%, while a removed rounding leaves f32 values within float32 rounding (~1e-7) and bf16 values unchanged.
+EFFECTIVE_REL_CHANGE = 1e-4
+EFFECTIVE_MIN_FRACTION = 0.01
+
+
+@functools.lru_cache(maxsize=None)
+def _changed_fraction(spec: QSpec | Recipe, dtype_name: str, backend: str) -> float:
+    """Fraction of probe values changed by a weight/activation QSpec, or by a KV-only Recipe's key quantizer,
+    run under jax.jit on `backend` (memoised)."""
+    x = jax.device_put(_probe_tensor(jnp.dtype(dtype_name)), jax.devices(backend)[0])
+    if isinstance(spec, Recipe):  # the KV cache, layer 0 keys, exactly as the decoder calls it
+        hooks = ForwardQuant(spec)
+        fn = lambda a: hooks.kv(0, "k", a)  # noqa: E731
+    else:
+        x = x.reshape(32, 128)
+        fn = lambda a: qdq(a, spec.fmt, spec.granularity, **_spec_kwargs(spec))  # noqa: E731
+    y = jax.jit(fn)(x).astype(jnp.float32)
+    x = x.astype(jnp.float32)
+    return float(jnp.mean((jnp.abs(y - x) > EFFECTIVE_REL_CHANGE * jnp.abs(x)).astype(jnp.float32)))
+
+
+def check_effective(recipe: "Recipe | str | Mapping[str, Any] | None", dtype: Any = jnp.float32,
+                    backend: str | None = None) -> dict[str, float]:
+    """Verify that every quantized part of `recipe` changes a probe tensor on `backend` (default: JAX's default).
+
+    Runs each distinct weight spec, the activation spec and the KV-cache quantizer under jax.jit on a fixed probe
+    tensor in `dtype`; returns {part: fraction of probe values moved by more than EFFECTIVE_REL_CHANGE relative}.
+    Raises IneffectiveQuantError naming the part, the backend and the dtype when fewer than EFFECTIVE_MIN_FRACTION
+    moved: the compiler removed the rounding, and a study, probe or engine using this recipe would silently
+    measure no quantization at all. Memoised per spec.
+    """
+    r = as_recipe(recipe)
+    backend = backend or jax.default_backend()
+    dtype_name = jnp.dtype(dtype).name
+    parts: dict[str, QSpec | Recipe] = {}
+    for pattern, spec in r.weights:
+        if spec is not None and spec not in parts.values():
+            parts[f"weights {pattern}"] = spec
+    if r.activations is not None:
+        parts["activations"] = r.activations
+    if r.kv_cache is not None:
+        parts["kv_cache"] = Recipe(name=r.name, kv_cache=r.kv_cache, kv_scale=r.kv_scale, kv_scales=r.kv_scales)
+    out = {}
+    for part, spec in parts.items():
+        frac = _changed_fraction(spec, dtype_name, backend)
+        if frac < EFFECTIVE_MIN_FRACTION:
+            raise IneffectiveQuantError(
+                f"recipe {r.name!r}: {part} quantization leaves a {dtype_name} probe tensor unchanged on backend "
+                f"{backend!r} ({frac:.1%} of values moved by more than {EFFECTIVE_REL_CHANGE:g} relative, expected "
+                f">= {EFFECTIVE_MIN_FRACTION:.0%}): the compiler removed the rounding, so simulated quantization "
+                f"would measure nothing")
+        out[part] = frac
+    return out
 
 
 def calibrate_kv_scales(amax_per_layer: Any, fmt: str = "e4m3") -> tuple:

@@ -7,6 +7,7 @@ closed-form byte counts.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 import types
 
@@ -192,6 +193,68 @@ def test_quantize_then_dequantize_equals_qdq_bit_for_bit_eager_and_jit(fmt):
                                for g, kw in ALL_GRANS])(x)
     for (gran, kw), y in zip(ALL_GRANS, y_jit):
         np.testing.assert_array_equal(bits(y), bits(Q.qdq(x, fmt, gran, **kw)), err_msg=f"jit {gran} {kw}")
+
+
+@pytest.mark.parametrize("dt", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2])
+def test_f8_bit_decoder_equals_ml_dtypes_cast_for_every_finite_code(dt):
+    codes = np.arange(256, dtype=np.uint8).view(dt)
+    ref = codes.astype(np.float32)
+    got = np.asarray(jax.jit(Q._decode_f8)(jnp.asarray(codes)))
+    finite = np.isfinite(ref)
+    assert finite.sum() >= 248
+    np.testing.assert_array_equal(bits(got[finite]), bits(ref[finite]))
+
+
+def _f8_values_converted_back(hlo: str) -> list[str]:
+    """Lines of an HLO module that `convert` an f8-typed value to another type (the pair XLA GPU may cancel)."""
+    f8_names = set(re.findall(r"(%[\w.\-]+) = f8\w+\[", hlo))
+    return [line for line in hlo.splitlines()
+            if re.search(r"= \w+\[[^\]]*\]\{?[^ ]* convert\((%[\w.\-]+)\)", line)
+            and re.search(r"convert\((%[\w.\-]+)\)", line).group(1) in f8_names]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_compiled_qdq_rounds_through_f8_and_never_converts_f8_back(fmt):
+    """The optimised program must hold the f8 rounding and read it back only through bitcast-convert to u8.
+
+    XLA's GPU compiler cancels convert(convert(x, f8), f32) under default flags; a bitcast whose bits feed integer
+    arithmetic cannot be cancelled. If someone goes back to `q.astype(float32)`, the f8 -> float convert shows up
+    here (it does on every backend's HLO) and this fails.
+    """
+    x = jax.random.normal(jax.random.key(0), (64, 128), jnp.bfloat16)
+    hooks = Q.get_recipe("fp8_w8a8_kv" if fmt == "e4m3" else "e5m2_w8a8").forward_hooks()
+    prog = jax.jit(lambda a: jnp.dot(hooks.act("model.layers.0.mlp.up_proj", a), a.T) + Q.qdq(a, fmt).sum())
+    hlo = prog.lower(x).compile().as_text()
+    assert re.search(r"= f8e\w+\[64,128\]\S* convert\(", hlo), "no rounding to f8 in the compiled program"
+    assert re.search(r"= u8\[64,128\]\S* bitcast-convert\(", hlo), "f8 codes are not read back as bits"
+    assert _f8_values_converted_back(hlo) == []
+    # and the values did change
+    assert float(jnp.mean((Q.qdq(x, fmt) != x).astype(jnp.float32))) > 0.5
+
+
+def test_check_effective_reports_fractions_and_raises_when_rounding_is_removed(monkeypatch):
+    fr = Q.check_effective("fp8_w8a8_kv", jnp.bfloat16)
+    assert set(fr) == {"weights model.layers.*.self_attn.q_proj", "activations", "kv_cache"}
+    assert all(0.5 < v <= 1.0 for v in fr.values())
+    assert Q.check_effective("none") == {}
+    # A compiler that drops the rounding is simulated by a cast that does nothing: every part must be refused,
+    # and so must an engine built with the recipe.
+    monkeypatch.setattr(Q, "_cast", lambda y, f: y)
+    monkeypatch.setattr(Q, "_to_f32", lambda q: q.astype(jnp.float32))
+    Q._changed_fraction.cache_clear()
+    Q._qdq_jit.clear_cache()
+    try:
+        with pytest.raises(Q.IneffectiveQuantError, match=r"fp8_weights_only.*unchanged on backend 'cpu'"):
+            Q.check_effective("fp8_weights_only", jnp.bfloat16)
+        with pytest.raises(Q.IneffectiveQuantError, match="kv_cache"):
+            Q.check_effective("fp8_kv_only")
+        from opdjax.models.config import ModelConfig
+        from opdjax.rollout.jax_engine import JaxEngine
+        with pytest.raises(Q.IneffectiveQuantError, match="measure nothing"):
+            JaxEngine(ModelConfig(), recipe="fp8_w8a8")
+    finally:
+        Q._changed_fraction.cache_clear()
+        Q._qdq_jit.clear_cache()
 
 
 def test_bad_format_and_granularity_raise_with_valid_names():

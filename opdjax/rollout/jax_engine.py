@@ -223,6 +223,9 @@ class JaxEngine:
         self.cache_dtype = jnp.dtype(cache_dtype if cache_dtype is not None else dtype)
         self.recipe = quant.as_recipe(recipe)
         self.hooks = None if self.recipe.is_noop else self.recipe.forward_hooks()
+        if not self.recipe.is_noop:  # never a silent no-op: the rounding must survive this backend's compiler
+            quant.check_effective(self.recipe, self.dtype,
+                                  backend=None if mesh is None else mesh.devices.flat[0].platform)
         self.weight_noise = float(weight_noise)
         self.noise_seed = int(noise_seed)
         self.noise_mode = noise_mode
