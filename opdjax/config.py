@@ -125,9 +125,19 @@ class RolloutConfig:
 class StudentConfig:
     path: str = "builtin"            # HF directory, or "builtin" (prepared on the task); `student=DIR` sets it
     dtype: str = "float32"           # learner param dtype
+    compute_dtype: str = "float32"   # learner matmul/activation dtype (bfloat16 with float32 params: mixed precision)
+    attention: str = "auto"          # auto (cuDNN flash on GPU for bf16, XLA elsewhere) | xla | cudnn | einsum
+    remat: str = "none"              # none | block (recompute each block in backward) | dots (keep matmul outputs)
+    logprob_chunk: int = 0           # positions per log-prob chunk (0: auto, <= 64M logits per chunk)
 
     def validate(self):
+        from opdjax.models.decoder import ATTENTION_IMPLS, REMAT_POLICIES
+
         _choice("student", "dtype", self.dtype, {"float32", "bfloat16"})
+        _choice("student", "compute_dtype", self.compute_dtype, {"float32", "bfloat16"})
+        _choice("student", "attention", self.attention, ATTENTION_IMPLS)
+        _choice("student", "remat", self.remat, REMAT_POLICIES)
+        _positive("student", "logprob_chunk", self.logprob_chunk, zero_ok=True)
 
 
 @dataclasses.dataclass

@@ -19,7 +19,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from opdjax import losses, mismatch
-from opdjax.models import decoder
 from opdjax.sharding import logical_spec, shard_state
 
 Array = jax.Array
@@ -47,6 +46,52 @@ def token_logprobs(logits_BLV: Array, tokens_BL: Array, temperature: float = 1.0
     if not full:
         return logp_BL, None
     return logp_BL, jnp.pad(lp_BLV, ((0, 0), (1, 0), (0, 0)))
+
+
+LOGPROB_CHUNK_ELEMENTS = 1 << 26  # default chunk: at most 64M logits (256 MB in f32) per chunk
+
+
+def logprob_chunk_len(batch: int, length: int, vocab: int, max_elements: int = LOGPROB_CHUNK_ELEMENTS) -> int:
+    """Positions per chunk so that batch * chunk * vocab <= max_elements (at least 1, at most `length`)."""
+    return int(max(1, min(length, max_elements // max(batch * vocab, 1))))
+
+
+def chunked_token_logprobs(h_BLE: Array, w_EV: Array, tokens_BL: Array, temperature: float = 1.0,
+                           chunk: int | None = None) -> Array:
+    """Token log-probs from final hidden states without materialising the [B, L, V] logits.
+
+    logp_BL[b, l] = z[tokens[b, l]] - logsumexp(z),  z = (h[b, l-1] @ W) / T  in float32;  logp_BL[:, 0] = 0.
+
+    The L-1 predicting positions are processed `chunk` at a time (default: `logprob_chunk_len`) under
+    `jax.checkpoint`, so the forward keeps only [B, chunk, V] logits alive and the backward pass recomputes each
+    chunk's logits instead of storing them: peak logits memory B·chunk·V instead of several B·L·V float32 arrays.
+    The same values as `token_logprobs(h @ W, tokens, T)` up to float32 rounding. h [B, L, E], W [E, V].
+    """
+    B, L, E = h_BLE.shape
+    V = w_EV.shape[-1]
+    n = L - 1
+    if n <= 0:
+        return jnp.zeros((B, L), jnp.float32)
+    c = logprob_chunk_len(B, n, V) if chunk is None else max(1, min(int(chunk), n))
+    k = -(-n // c)
+    pad = k * c - n
+    h = jnp.pad(h_BLE[:, :-1], ((0, 0), (0, pad), (0, 0)))
+    t = jnp.pad(tokens_BL[:, 1:], ((0, 0), (0, pad)))
+    h_KBCE = h.reshape(B, k, c, E).swapaxes(0, 1)
+    t_KBC = t.reshape(B, k, c).swapaxes(0, 1)
+    temp = jnp.float32(temperature)
+
+    @jax.checkpoint
+    def one(h_BCE, t_BC):
+        z_BCV = jnp.dot(h_BCE, w_EV.astype(h_BCE.dtype)).astype(jnp.float32) / temp
+        tok = jnp.take_along_axis(z_BCV, t_BC[..., None], axis=-1)[..., 0]
+        return tok - jax.nn.logsumexp(z_BCV, axis=-1)
+
+    if k == 1:
+        lp_BN = one(h_KBCE[0], t_KBC[0])
+    else:
+        lp_BN = jax.lax.map(lambda a: one(*a), (h_KBCE, t_KBC)).swapaxes(0, 1).reshape(B, k * c)
+    return jnp.pad(lp_BN[:, :n], ((0, 0), (1, 0)))
 
 
 def make_schedule(lr: float, total_steps: int, warmup_steps: int = 0, kind: str = "constant") -> optax.Schedule:
@@ -89,7 +134,8 @@ class Learner:
 
     def __init__(self, graphdef: nnx.GraphDef, *, loss: str = "reverse_kl_sampled",
                  loss_options: Mapping[str, Any] | None = None, correction: mismatch.Correction | None = None,
-                 optim=None, total_steps: int = 100, temperature: float = 1.0, mesh: Mesh | None = None):
+                 optim=None, total_steps: int = 100, temperature: float = 1.0, mesh: Mesh | None = None,
+                 logprob_chunk: int = 0):
         from opdjax.config import OptimConfig
 
         self.graphdef = graphdef
@@ -99,6 +145,7 @@ class Learner:
         self.loss_options = dict(loss_options or {})
         self.correction = correction
         self.temperature = float(temperature)
+        self.logprob_chunk = int(logprob_chunk) or None  # 0: `logprob_chunk_len` picks
         self.mesh = mesh if mesh is not None else Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1),
                                                         ("data", "fsdp", "tensor"))
         self.tx, self.schedule = make_optimizer(optim or OptimConfig(), total_steps)
@@ -129,6 +176,16 @@ class Learner:
                   teacher_logits_BTV=batch.get("teacher_logits_BLV"), reward_B=batch.get("reward_B"))
         return losses.LossInputs(**{k: v for k, v in kw.items() if v is not None})
 
+    def _student_logp(self, params, tokens_BL, valid_BL, temperature, full: bool):
+        """(logp_BL, full shifted log-softmax [B, L, V] or None). Without `full` the log-probs come from the hidden
+        states in chunks (`chunked_token_logprobs`): the [B, L, V] logits are never materialised."""
+        model = nnx.merge(self.graphdef, params)
+        if full:
+            logits, _ = model(tokens_BL, valid_BT=valid_BL)
+            return token_logprobs(logits, tokens_BL, temperature, True)
+        h, _ = model(tokens_BL, valid_BT=valid_BL, return_hidden=True)
+        return chunked_token_logprobs(h, model.lm_head_kernel(), tokens_BL, temperature, self.logprob_chunk), None
+
     def _build_step(self):
         full = "student_logprobs" in self.needs
 
@@ -136,8 +193,8 @@ class Learner:
             inputs = self._loss_inputs(batch)
 
             def objective(params):
-                logits, _ = decoder.forward(self.graphdef, params, batch["tokens_BL"], valid_BT=batch["valid_BL"])
-                logp_BL, logprobs_BLV = token_logprobs(logits, batch["tokens_BL"], self.temperature, full)
+                logp_BL, logprobs_BLV = self._student_logp(params, batch["tokens_BL"], batch["valid_BL"],
+                                                           self.temperature, full)
                 loss, m = self.loss_fn(logp_BL, logprobs_BLV, inputs, correction=self.correction,
                                        **self.loss_options)
                 return loss, (m, logp_BL)
@@ -173,8 +230,7 @@ class Learner:
         """The student's log-prob of each token (learner numerics: no quantization, no noise)."""
         if self._logp is None:
             def fn(params, tokens, valid, temperature):
-                logits, _ = decoder.forward(self.graphdef, params, tokens, valid_BT=valid)
-                return token_logprobs(logits, tokens, temperature)[0]
+                return self._student_logp(params, tokens, valid, temperature, False)[0]
 
             self._logp = jax.jit(fn)
         g = to_global({"tokens_BL": tokens_BL, "valid_BL": valid_BL}, self.mesh)

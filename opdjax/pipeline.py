@@ -104,7 +104,9 @@ def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True) -> Run:
     student_cfg = ModelConfig.from_dir(student_path)
     check_same_vocab(student_cfg, ModelConfig.from_dir(teacher_path), tokenizer, teacher_tok)
     mesh = make_mesh(cfg.mesh.shape)
-    graphdef, params = hf.load_state(student_path, student_cfg, param_dtype=cfg.student.dtype)
+    st = cfg.student
+    graphdef, params = hf.load_state(student_path, student_cfg, param_dtype=st.dtype, dtype=st.compute_dtype,
+                                     attention=st.attention, remat=st.remat)
     task = tasks.get_task(cfg.task.name, **cfg.task.options)
     loss_options = cfg.loss.resolved_options()
     if cfg.loss.name == "reinforce" and cfg.rollout.samples_per_prompt > 1:
@@ -113,7 +115,7 @@ def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True) -> Run:
                   else mismatch.Correction(name=cfg.loss.correction, **cfg.loss.correction_options))
     learner = Learner(graphdef, loss=cfg.loss.name, loss_options=loss_options, correction=correction,
                       optim=cfg.optim, total_steps=cfg.pipeline.steps, temperature=max(cfg.rollout.temperature, 1e-6),
-                      mesh=mesh)
+                      mesh=mesh, logprob_chunk=st.logprob_chunk)
     return Run(cfg=cfg, tokenizer=tokenizer, task=task, student_cfg=student_cfg, graphdef=graphdef, params=params,
                teacher=make_teacher(cfg, teacher_path, mesh) if with_teacher else None,
                engine=make_engine(cfg, student_path, student_cfg, params, tokenizer),

@@ -5,8 +5,15 @@ param carries `logical_axes` metadata that `opdjax.sharding` maps onto a device 
 [in, out] (HF's `weight` transposed). Each Linear knows its HF module name, which is what quantization recipes
 select on.
 
-One attention path serves the full forward, prefill and decode: queries at cache slots `index + [0, T)` attend to
-every filled cache slot at or before them. Without a cache the forward runs on a fresh cache of length T.
+Attention. With a cache (prefill, decode) queries at cache slots `index + [0, T)` attend to every filled cache slot
+at or before them, through plain einsums (`attention="einsum"` semantics). Without a cache (the learner, scoring)
+the forward is causal self-attention over T tokens with padded keys masked, through the fused
+`jax.nn.dot_product_attention`: `attention="auto"` picks cuDNN flash attention on GPU for bf16/f16 compute and
+head_dim <= 128 (it skips the masked upper triangle), XLA's implementation elsewhere (CPU; TPU, where JAX ships
+no kernel behind this API); "xla", "cudnn" and "einsum" force one. `remat` ("none", "block": recompute each block
+in the backward pass, "dots": keep only matmul outputs) trades compute for activation memory.
+`return_hidden=True` returns the final-norm hidden states instead of logits, for log-probs computed in chunks
+(`opdjax.learner.chunked_token_logprobs`) so that [B, T, V] logits never exist at once.
 """
 
 from __future__ import annotations
@@ -22,6 +29,23 @@ from opdjax.models.config import ModelConfig, rope_inv_freq
 
 Array = jax.Array
 _MASKED = -1e30  # finite, so a query with no visible key gives a uniform (not NaN) softmax
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "einsum")
+REMAT_POLICIES = ("none", "block", "dots")
+
+
+def resolve_attention(impl: str, dtype: Any, head_dim: int, backend: str | None = None) -> str:
+    """The attention implementation "auto" stands for on `backend` (default: JAX's default backend).
+
+    cuDNN flash attention on GPU when the compute dtype is bf16/f16 and head_dim <= 128 (a multiple of 8), else XLA.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention={impl!r} is not valid; choose one of {list(ATTENTION_IMPLS)}")
+    if impl != "auto":
+        return impl
+    backend = backend or jax.default_backend()
+    cudnn_ok = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim <= 128 \
+        and head_dim % 8 == 0
+    return "cudnn" if backend in ("gpu", "cuda") and cudnn_ok else "xla"
 
 
 class ForwardQuant(Protocol):
@@ -127,8 +151,12 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x_BTE, cos, sin, k_cache, v_cache, valid_BS, index, quant):
-        """Attend from T new tokens (written at cache slots index..index+T) to all filled slots up to each query."""
+    def __call__(self, x_BTE, cos, sin, k_cache, v_cache, valid_BS, index, quant, fused: str | None = None):
+        """Attend from T new tokens (written at cache slots index..index+T) to all filled slots up to each query.
+
+        fused: None = einsum attention over the cache; "xla" / "cudnn" = `jax.nn.dot_product_attention` for a
+        cache-free forward (index 0, S == T: causal self-attention with padded keys masked).
+        """
         cfg = self.cfg
         B, T, _ = x_BTE.shape
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -145,6 +173,12 @@ class Attention(nnx.Module):
         S = k_cache.shape[1]
         q_slot_T = index + jnp.arange(T)
         visible_BTS = (jnp.arange(S)[None, None, :] <= q_slot_T[None, :, None]) & valid_BS[:, None, :]
+        if fused is not None:
+            dt = self.dtype
+            out = jax.nn.dot_product_attention(q.astype(dt), k_cache.astype(dt), v_cache.astype(dt),
+                                               mask=visible_BTS[:, None], scale=D**-0.5,
+                                               is_causal=fused == "cudnn", implementation=fused)
+            return self.o(out.reshape(B, T, H * D), quant), k_cache, v_cache
         qg = q.reshape(B, T, K, H // K, D)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache.astype(self.dtype)).astype(jnp.float32) * D**-0.5
         scores = jnp.where(visible_BTS[:, None, None, :, :], scores, _MASKED)
@@ -176,8 +210,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, layer, rngs=rngs, **kw)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, valid_BS, index, quant):
-        h, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, valid_BS, index, quant)
+    def __call__(self, x, cos, sin, k_cache, v_cache, valid_BS, index, quant, fused=None):
+        h, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, valid_BS, index, quant, fused)
         x = x + h
         x = x + self.mlp(self.mlp_norm(x), quant)
         return x, k_cache, v_cache
@@ -186,9 +220,16 @@ class Block(nnx.Module):
 class Decoder(nnx.Module):
     """Token ids [B, T] -> logits [B, T, V] (f32), optionally through a KV cache."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs,
+                 attention: str = "auto", remat: str = "none"):
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention={attention!r} is not valid; choose one of {list(ATTENTION_IMPLS)}")
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={remat!r} is not valid; choose one of {list(REMAT_POLICIES)}")
         self.cfg = cfg
         self.dtype = dtype
+        self.attention = attention
+        self.remat = remat
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
         self.layers = nnx.List([Block(cfg, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                                 for i in range(cfg.num_layers)])
@@ -199,9 +240,17 @@ class Decoder(nnx.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), name="lm_head", bias=False,
                                   dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
+    def lm_head_kernel(self) -> Array:
+        """The output projection [E, V] in the compute dtype (the embedding transposed when tied)."""
+        if self.lm_head is None:
+            return self.embed[...].astype(self.dtype).T
+        return self.lm_head.kernel[...].astype(self.dtype)
+
     def __call__(self, tokens_BT: Array, *, positions_BT: Array | None = None, valid_BT: Array | None = None,
-                 cache: KVCache | None = None, quant: ForwardQuant | None = None) -> tuple[Array, KVCache | None]:
-        """Logits [B, T, V] in f32 and the updated cache (None when called without one).
+                 cache: KVCache | None = None, quant: ForwardQuant | None = None,
+                 return_hidden: bool = False) -> tuple[Array, KVCache | None]:
+        """Logits [B, T, V] in f32 (or, return_hidden=True, final-norm hidden states [B, T, E] in the compute dtype)
+        and the updated cache (None when called without one).
 
         valid_BT marks real tokens (False = padding; padded keys are never attended to). positions default to
         the number of real tokens before each one (counting those already in the cache), so left padding works.
@@ -219,28 +268,45 @@ class Decoder(nnx.Module):
         valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, valid_BT, (0, index))
         cos, sin = rope_cos_sin(cfg, positions_BT)
         x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
+        fused = None
+        if not use_cache:
+            impl = resolve_attention(self.attention, self.dtype, cfg.head_dim)
+            fused = None if impl == "einsum" else impl
+
+        def run(block, x, cos, sin, k, v, valid_BS, index):
+            return block(x, cos, sin, k, v, valid_BS, index, quant, fused)
+
+        if self.remat != "none":
+            policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if self.remat == "dots" else None
+            run = nnx.remat(run, policy=policy)
         ks, vs = [], []
         for i, block in enumerate(self.layers):
-            x, k_i, v_i = block(x, cos, sin, cache.k[i], cache.v[i], valid_BS, index, quant)
+            x, k_i, v_i = run(block, x, cos, sin, cache.k[i], cache.v[i], valid_BS, index)
             ks.append(k_i)
             vs.append(v_i)
         x = self.norm(x)
+        new_cache = KVCache(k=tuple(ks), v=tuple(vs), valid_BS=valid_BS, index=index + T) if use_cache else None
+        if return_hidden:
+            return x, new_cache
         if self.lm_head is None:
             logits = jnp.dot(x, self.embed[...].astype(self.dtype).T)
         else:
             logits = self.lm_head(x)
-        new_cache = KVCache(k=tuple(ks), v=tuple(vs), valid_BS=valid_BS, index=index + T) if use_cache else None
         return logits.astype(jnp.float32), new_cache
 
 
-def create(cfg: ModelConfig, seed: int = 0, *, dtype=jnp.float32, param_dtype=jnp.float32) -> Decoder:
+def create(cfg: ModelConfig, seed: int = 0, *, dtype=jnp.float32, param_dtype=jnp.float32, attention: str = "auto",
+           remat: str = "none") -> Decoder:
     """A randomly initialised decoder (normal(0, 0.02) kernels, unit norms, zero biases)."""
-    return Decoder(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(params=seed))
+    return Decoder(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(params=seed), attention=attention,
+                   remat=remat)
 
 
-def abstract(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32) -> Decoder:
+def abstract(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, attention: str = "auto",
+             remat: str = "none") -> Decoder:
     """The decoder's structure with ShapeDtypeStruct leaves: no memory, no compute (for loading)."""
-    return nnx.eval_shape(lambda: create(cfg, dtype=dtype, param_dtype=param_dtype))
+    return nnx.eval_shape(lambda: create(cfg, dtype=dtype, param_dtype=param_dtype, attention=attention,
+                                         remat=remat))
 
 
 def forward(graphdef: nnx.GraphDef, params: Any, tokens_BT: Array, **kwargs) -> tuple[Array, KVCache | None]:

@@ -143,11 +143,15 @@ def read_tensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
 
 
 def load_state(path: str | pathlib.Path, cfg: ModelConfig | None = None, *, param_dtype=jnp.float32,
-               dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, params) from a HF directory, cast to param_dtype, optionally placed on `mesh` by logical axes."""
+               dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
+               **decoder_kw) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params) from a HF directory, cast to param_dtype, optionally placed on `mesh` by logical axes.
+
+    dtype is the compute dtype; decoder_kw (attention, remat) go to `decoder.abstract`.
+    """
     path = pathlib.Path(path)
     cfg = cfg or ModelConfig.from_dir(path)
-    graphdef, template = nnx.split(decoder.abstract(cfg, dtype=dtype, param_dtype=param_dtype))
+    graphdef, template = nnx.split(decoder.abstract(cfg, dtype=dtype, param_dtype=param_dtype, **decoder_kw))
     tensors = read_tensors(path)
     state = state_from_named(cfg, tensors, template, source=str(path))
     np_dtype = np.dtype(param_dtype)
