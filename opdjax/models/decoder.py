@@ -288,11 +288,15 @@ class Decoder(nnx.Module):
         new_cache = KVCache(k=tuple(ks), v=tuple(vs), valid_BS=valid_BS, index=index + T) if use_cache else None
         if return_hidden:
             return x, new_cache
+        return self.logits(x, quant), new_cache
+
+    def logits(self, h_BTE: Array, quant: ForwardQuant | None = None) -> Array:
+        """Logits [B, T, V] in f32 from final-norm hidden states (what __call__ returns after the norm)."""
         if self.lm_head is None:
-            logits = jnp.dot(x, self.embed[...].astype(self.dtype).T)
+            logits = jnp.dot(h_BTE, self.embed[...].astype(self.dtype).T)
         else:
-            logits = self.lm_head(x)
-        return logits.astype(jnp.float32), new_cache
+            logits = self.lm_head(h_BTE, quant)
+        return logits.astype(jnp.float32)
 
 
 def create(cfg: ModelConfig, seed: int = 0, *, dtype=jnp.float32, param_dtype=jnp.float32, attention: str = "auto",

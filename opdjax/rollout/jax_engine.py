@@ -124,7 +124,10 @@ def _generate_jit(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sa
     B, P = tokens_BP.shape
     N = sampling.max_new_tokens
     cache = decoder.init_cache(cfg, B, P + N, cache_dtype)
-    logits_BPV, cache = decoder.forward(graphdef, params, tokens_BP, valid_BT=valid_BP, cache=cache, quant=hooks)
+    model = nnx.merge(graphdef, params)
+    # Prefill: logits only at the last prompt slot (the only one sampled from), never [B, P, V].
+    h_BPE, cache = model(tokens_BP, valid_BT=valid_BP, cache=cache, quant=hooks, return_hidden=True)
+    logits_B1V = model.logits(h_BPE[:, -1:], hooks)
     base = jax.random.key(seed)
     row_keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(B, dtype=jnp.uint32))
 
@@ -132,7 +135,7 @@ def _generate_jit(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sa
         keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
         return _sample(logits_BV, keys, sampling)
 
-    tok0, lp0 = sample(logits_BPV[:, -1], 0)  # left padding: the last prompt slot is always a real token
+    tok0, lp0 = sample(logits_B1V[:, 0], 0)  # left padding: the last prompt slot is always a real token
     out_tok = jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(tok0)
     out_lp = jnp.zeros((B, N), jnp.float32).at[:, 0].set(lp0)
     out_mask = jnp.zeros((B, N), bool).at[:, 0].set(True)
@@ -145,8 +148,7 @@ def _generate_jit(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sa
     def body(c):
         i, prev, done, cache, out_tok, out_lp, out_mask = c
         alive = ~done  # rows whose previous token was sampled and was not a stop token
-        logits_B1V, cache = decoder.forward(graphdef, params, prev[:, None], valid_BT=alive[:, None], cache=cache,
-                                            quant=hooks)
+        logits_B1V, cache = model(prev[:, None], valid_BT=alive[:, None], cache=cache, quant=hooks)
         tok, lp = sample(logits_B1V[:, 0], i)
         tok = jnp.where(alive, tok, pad_id)
         lp = jnp.where(alive, lp, 0.0)
