@@ -112,10 +112,14 @@ def _is_stop(tok_B: Array, stop_ids: tuple[int, ...]) -> Array:
 # Jitted generation and scoring (static: model graph, hooks, sampling; arguments: weights and data)
 # ----------------------------------------------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("cfg", "graphdef", "hooks", "sampling", "stop_ids", "pad_id",
-                                             "cache_dtype"))
-def _generate_jit(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sampling, stop_ids, pad_id,
-                  cache_dtype):
+_GENERATE_STATIC = ("cfg", "graphdef", "hooks", "sampling", "stop_ids", "pad_id", "cache_dtype")
+# XLA:GPU command buffers (CUDA graphs) for the whole decode loop, WHILE and CONDITIONAL included: one graph launch
+# per generate instead of one launch per kernel per step. Ignored by other backends.
+DECODE_GRAPH_OPTIONS = (("xla_gpu_enable_command_buffer", "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"),)
+
+
+def _generate_impl(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sampling, stop_ids, pad_id,
+                   cache_dtype):
     """Prefill [B, P] into a cache of P + N slots, then decode one token per step until N tokens or all stopped.
 
     Returns completion tokens [B, N] (pad after a stop), their processed log-probs [B, N] (0 where masked), the
@@ -162,6 +166,16 @@ def _generate_jit(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sa
     return out_tok, out_lp, out_mask, steps
 
 
+@functools.lru_cache(maxsize=None)
+def generate_fn(compiler_options: tuple[tuple[str, str], ...] = ()):
+    """The jitted `_generate_impl` for a set of XLA compiler options (one jit, hence one compile cache, per set)."""
+    return jax.jit(_generate_impl, static_argnames=_GENERATE_STATIC,
+                   compiler_options=dict(compiler_options) or None)
+
+
+_generate_jit = generate_fn()
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "hooks", "temperature", "top_k"))
 def _score_jit(params, tokens_BL, valid_BL, *, graphdef, hooks, temperature, top_k):
     """Full forward; log-prob of tokens[:, l] from logits[:, l-1] / T where both positions are valid (else 0)."""
@@ -198,6 +212,8 @@ class JaxEngine:
     pad_id, eos_id    padding id; eos_id (if not None) stops a row like any of `sampling.stop_token_ids`
     dtype             compute and weight storage dtype; cache_dtype: KV-cache storage dtype (default dtype)
     mesh              optional (data, fsdp, tensor) mesh: weights placed by logical axes, batches over (data, fsdp)
+    decode_graphs     on GPU, compile the decode loop into XLA command buffers (CUDA graphs, WHILE/CONDITIONAL
+                      included: `DECODE_GRAPH_OPTIONS`); ignored on other backends
 
     Thread-safe: `update_weights` builds the new served weights without blocking generation and swaps them in
     under a lock (updates themselves are serialised); generate/score take one consistent (weights, version)
@@ -210,7 +226,8 @@ class JaxEngine:
                  recipe: quant.Recipe | str | Mapping[str, Any] | None = None, weight_noise: float = 0.0,
                  noise_seed: int = 0, noise_mode: str = "fixed", stale_versions: int = 0, pad_id: int = 0,
                  eos_id: int | None = None,
-                 dtype: Any = jnp.float32, cache_dtype: Any = None, mesh: jax.sharding.Mesh | None = None):
+                 dtype: Any = jnp.float32, cache_dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
+                 decode_graphs: bool = False):
         if stale_versions < 0:
             raise ValueError(f"stale_versions must be >= 0, got {stale_versions}")
         if weight_noise < 0:
@@ -235,6 +252,9 @@ class JaxEngine:
         self.pad_id = int(pad_id)
         self.eos_id = None if eos_id is None else int(eos_id)
         self.mesh = mesh
+        platform = (jax.default_backend() if mesh is None else mesh.devices.flat[0].platform)
+        self.decode_graphs = bool(decode_graphs) and platform in ("gpu", "cuda")
+        self._generate = generate_fn(DECODE_GRAPH_OPTIONS if self.decode_graphs else ())
         abstract_graphdef, self._template = nnx.split(decoder.abstract(cfg, dtype=self.dtype, param_dtype=self.dtype))
         self.graphdef = graphdef if graphdef is not None else abstract_graphdef
         self._lock = threading.Lock()  # guards the swap; held only for a moment
@@ -359,7 +379,7 @@ class JaxEngine:
         valid_BP[n:, -1] = True  # padding rows: one pad token, dropped afterwards
         stop_ids = tuple(sorted(set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())))
         tok_d, valid_d = self._put(tokens_BP, valid_BP)
-        out_tok, out_lp, out_mask, steps = _generate_jit(
+        out_tok, out_lp, out_mask, steps = self._generate(
             params, tok_d, valid_d, jnp.uint32(int(seed) & 0xFFFFFFFF), cfg=self.cfg, graphdef=self.graphdef,
             hooks=self.hooks, sampling=sampling, stop_ids=stop_ids, pad_id=self.pad_id, cache_dtype=self.cache_dtype)
         out_tok, out_lp, out_mask = (np.asarray(a)[:n] for a in (out_tok, out_lp, out_mask))
