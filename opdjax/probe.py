@@ -126,7 +126,7 @@ def _cache_amax(graphdef, mcfg, params, tokens_BL, valid_BL):
     B, L = tokens_BL.shape
     _, cache = decoder.forward(graphdef, params, tokens_BL, valid_BT=valid_BL,
                                cache=decoder.init_cache(mcfg, B, L))
-    m = valid_BL[:, :, None, None]
+    m = valid_BL[:, None, :, None]  # cache [B, K, S, D]
     return jnp.stack([jnp.stack([jnp.max(jnp.where(m, jnp.abs(k), 0)), jnp.max(jnp.where(m, jnp.abs(v), 0))])
                       for k, v in zip(cache.k, cache.v)])
 

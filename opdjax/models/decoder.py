@@ -59,7 +59,8 @@ class ForwardQuant(Protocol):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Per-layer keys/values [B, S, K, D], which slots hold real tokens [B, S], and the next write slot."""
+    """Per-layer keys/values [B, K, S, D] (heads before slots, the layout the attention dots read without a
+    transpose), which slots hold real tokens [B, S], and the next write slot."""
 
     k: tuple[Array, ...]
     v: tuple[Array, ...]
@@ -73,7 +74,7 @@ class KVCache:
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     """An empty cache for `batch` rows and `max_len` slots."""
-    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
     return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    valid_BS=jnp.zeros((batch, max_len), bool), index=jnp.zeros((), jnp.int32))
@@ -151,11 +152,13 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x_BTE, cos, sin, k_cache, v_cache, valid_BS, index, quant, fused: str | None = None):
-        """Attend from T new tokens (written at cache slots index..index+T) to all filled slots up to each query.
+    def __call__(self, x_BTE, cos, sin, k_cache, v_cache, visible_BTS, index, quant, fused: str | None = None):
+        """Attend from T new tokens to the keys visible_BTS marks.
 
-        fused: None = einsum attention over the cache; "xla" / "cudnn" = `jax.nn.dot_product_attention` for a
-        cache-free forward (index 0, S == T: causal self-attention with padded keys masked).
+        With a cache (k_cache, v_cache [B, K, S, D]) the new keys/values are written at slots index..index+T and
+        the queries attend over all S slots through einsums. Without one (None: the cache-free forward, S == T)
+        the keys are the T new ones, through `jax.nn.dot_product_attention` when `fused` names its
+        implementation ("xla" / "cudnn"), else the same einsums.
         """
         cfg = self.cfg
         B, T, _ = x_BTE.shape
@@ -168,22 +171,25 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if quant is not None:
             k, v = quant.kv(self.layer, "k", k), quant.kv(self.layer, "v", v)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, index, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, index, 0, 0))
-        S = k_cache.shape[1]
-        q_slot_T = index + jnp.arange(T)
-        visible_BTS = (jnp.arange(S)[None, None, :] <= q_slot_T[None, :, None]) & valid_BS[:, None, :]
-        if fused is not None:
-            dt = self.dtype
-            out = jax.nn.dot_product_attention(q.astype(dt), k_cache.astype(dt), v_cache.astype(dt),
+        dt = self.dtype
+        if k_cache is None and fused is not None:
+            out = jax.nn.dot_product_attention(q.astype(dt), k.astype(dt), v.astype(dt),
                                                mask=visible_BTS[:, None], scale=D**-0.5,
                                                is_causal=fused == "cudnn", implementation=fused)
-            return self.o(out.reshape(B, T, H * D), quant), k_cache, v_cache
+            return self.o(out.reshape(B, T, H * D), quant), None, None
+        if k_cache is None:
+            k_all, v_all = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        else:
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3).astype(k_cache.dtype),
+                                                   (0, 0, index, 0))
+            v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype),
+                                                   (0, 0, index, 0))
+            k_all, v_all = k_cache, v_cache
         qg = q.reshape(B, T, K, H // K, D)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache.astype(self.dtype)).astype(jnp.float32) * D**-0.5
+        scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_all.astype(dt)).astype(jnp.float32) * D**-0.5
         scores = jnp.where(visible_BTS[:, None, None, :, :], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache.astype(self.dtype)).reshape(B, T, H * D)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bkgts,bksd->btkgd", probs, v_all.astype(dt)).reshape(B, T, H * D)
         return self.o(out, quant), k_cache, v_cache
 
 
@@ -210,8 +216,9 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, layer, rngs=rngs, **kw)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, valid_BS, index, quant, fused=None):
-        h, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, valid_BS, index, quant, fused)
+    def __call__(self, x, cos, sin, k_cache, v_cache, visible_BTS, index, quant, fused=None):
+        h, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, visible_BTS, index, quant,
+                                        fused)
         x = x + h
         x = x + self.mlp(self.mlp_norm(x), quant)
         return x, k_cache, v_cache
@@ -259,29 +266,36 @@ class Decoder(nnx.Module):
         B, T = tokens_BT.shape
         valid_BT = jnp.ones((B, T), bool) if valid_BT is None else valid_BT.astype(bool)
         use_cache = cache is not None
-        if not use_cache:
-            cache = init_cache(cfg, B, T, self.dtype)
-        index = cache.index
-        if positions_BT is None:
-            seen_B = jnp.sum(cache.valid_BS, axis=1)
-            positions_BT = jnp.maximum(seen_B[:, None] + jnp.cumsum(valid_BT, axis=1) - 1, 0)
-        valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, valid_BT, (0, index))
-        cos, sin = rope_cos_sin(cfg, positions_BT)
-        x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
-        fused = None
-        if not use_cache:
+        if use_cache:
+            index = cache.index
+            if positions_BT is None:
+                seen_B = jnp.sum(cache.valid_BS, axis=1)
+                positions_BT = jnp.maximum(seen_B[:, None] + jnp.cumsum(valid_BT, axis=1) - 1, 0)
+            valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, valid_BT, (0, index))
+            S = valid_BS.shape[1]
+            q_slot_T = index + jnp.arange(T)
+            fused = None
+        else:  # a cache-free forward: causal self-attention over the T tokens
+            index = jnp.zeros((), jnp.int32)
+            if positions_BT is None:
+                positions_BT = jnp.maximum(jnp.cumsum(valid_BT, axis=1) - 1, 0)
+            valid_BS, S, q_slot_T = valid_BT, T, jnp.arange(T)
             impl = resolve_attention(self.attention, self.dtype, cfg.head_dim)
             fused = None if impl == "einsum" else impl
+        visible_BTS = (jnp.arange(S)[None, None, :] <= q_slot_T[None, :, None]) & valid_BS[:, None, :]
+        cos, sin = rope_cos_sin(cfg, positions_BT)
+        x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
 
-        def run(block, x, cos, sin, k, v, valid_BS, index):
-            return block(x, cos, sin, k, v, valid_BS, index, quant, fused)
+        def run(block, x, cos, sin, k, v, visible_BTS, index):
+            return block(x, cos, sin, k, v, visible_BTS, index, quant, fused)
 
         if self.remat != "none":
             policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if self.remat == "dots" else None
             run = nnx.remat(run, policy=policy)
         ks, vs = [], []
         for i, block in enumerate(self.layers):
-            x, k_i, v_i = run(block, x, cos, sin, cache.k[i], cache.v[i], valid_BS, index)
+            k_i, v_i = (cache.k[i], cache.v[i]) if use_cache else (None, None)
+            x, k_i, v_i = run(block, x, cos, sin, k_i, v_i, visible_BTS, index)
             ks.append(k_i)
             vs.append(v_i)
         x = self.norm(x)

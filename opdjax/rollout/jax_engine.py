@@ -91,14 +91,82 @@ def processed_logprobs(logits_BV: Array, temperature: float, top_k: int = 0, top
     return jax.nn.log_softmax(x, axis=-1)
 
 
+def argmax_first(x_BV: Array) -> Array:
+    """jnp.argmax over the last axis (the first index of the maximum) as max + min-index: two plain reductions,
+    which XLA:CPU runs several times faster than argmax's variadic (value, index) reduction. int32 [B]."""
+    V = x_BV.shape[-1]
+    m = jnp.max(x_BV, axis=-1, keepdims=True)
+    idx = jnp.min(jnp.where(x_BV == m, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+    return jnp.minimum(idx, V - 1)  # NaN rows (no element equals a NaN max) -> V - 1 instead of out of range
+
+
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _threefry2x32(k1: Array, k2: Array, x1: Array, x2: Array) -> tuple[Array, Array]:
+    """The Threefry-2x32 block cipher (20 rounds; Salmon et al., SC'11) on uint32 arrays, written out round by round.
+
+    The same function as JAX's threefry2x32 primitive, whose CPU lowering runs the rounds as a rolled loop (it
+    compiles faster); written out, XLA fuses all 20 rounds into one elementwise kernel (~5x faster on CPU).
+    """
+    ks = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
+    x1, x2 = x1 + ks[0], x2 + ks[1]
+    for i in range(5):
+        for r in _THREEFRY_ROTATIONS[i % 2]:
+            x1 = x1 + x2
+            x2 = ((x2 << np.uint32(r)) | (x2 >> np.uint32(32 - r))) ^ x1
+        x1 = x1 + ks[(i + 1) % 3]
+        x2 = x2 + ks[(i + 2) % 3] + np.uint32(i + 1)
+    return x1, x2
+
+
+def _gumbel_fused(key: Array, n: int) -> Array:
+    """jax.random.gumbel(key, (n,), float32) for a threefry key (partitionable bits, mode "low"), bit for bit:
+    bits = x1 ^ x2 of threefry(key, (0, iota)), u = max(tiny, f(bits) * (1 - tiny) + tiny) with f(bits) the
+    float in [0, 1) from the top 23 bits, g = -log(-log(u)). `fused_gumbel_matches_jax` checks the equality."""
+    k = jax.random.key_data(key)
+    b1, b2 = _threefry2x32(k[0], k[1], jnp.zeros((n,), jnp.uint32), jnp.arange(n, dtype=jnp.uint32))
+    bits = (b1 ^ b2) >> np.uint32(9) | np.uint32(0x3F800000)
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    u = jax.lax.bitcast_convert_type(bits, jnp.float32) - np.float32(1.0)
+    u = jnp.maximum(tiny, u * (np.float32(1.0) - tiny) + tiny)
+    return -jnp.log(-jnp.log(u))
+
+
+@functools.lru_cache(maxsize=None)
+def fused_gumbel_matches_jax() -> bool:
+    """Whether `_gumbel_fused` reproduces this JAX's gumbel exactly (it follows JAX's defaults: threefry keys,
+    partitionable bits, "low" mode); if not, the engine samples with jax.random.gumbel itself. Evaluated eagerly
+    (also when first reached while tracing) and once per process."""
+    try:
+        with jax.ensure_compile_time_eval():
+            keys = jax.random.split(jax.random.key(20261204), 3)
+            ours = jax.vmap(lambda k: _gumbel_fused(k, 1000))(keys)
+            ref = jax.vmap(lambda k: jax.random.gumbel(k, (1000,), jnp.float32))(keys)
+            return bool(np.array_equal(np.asarray(ours), np.asarray(ref)))
+    except Exception:  # noqa: BLE001 - any difference in JAX's key machinery: use JAX's own sampler
+        return False
+
+
+def _gumbel_max(key: Array, logp_V: Array) -> Array:
+    """One categorical sample from log-probs: the same draw as jax.random.categorical(key, logp_V), i.e.
+    argmax(Gumbel(key) + logp), with the noise from `_gumbel_fused` when it matches JAX's (checked once) and the
+    argmax done by `argmax_first` (both tested bit-equal)."""
+    if logp_V.dtype == jnp.float32 and logp_V.ndim == 1 and fused_gumbel_matches_jax():
+        g = _gumbel_fused(key, logp_V.shape[0])
+    else:
+        g = jax.random.gumbel(key, logp_V.shape, logp_V.dtype)
+    return argmax_first(g + logp_V)
+
+
 def _sample(logits_BV: Array, keys_B: Array, sampling: SamplingParams) -> tuple[Array, Array]:
     """(token [B] int32, its processed log-prob [B] f32); one key per row."""
     if sampling.temperature == 0:
-        tok = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        tok = argmax_first(logits_BV)
         logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
     else:
         logp_BV = processed_logprobs(logits_BV, sampling.temperature, sampling.top_k, sampling.top_p)
-        tok = jax.vmap(jax.random.categorical)(keys_B, logp_BV).astype(jnp.int32)
+        tok = jax.vmap(_gumbel_max)(keys_B, logp_BV)
     return tok, jnp.take_along_axis(logp_BV, tok[:, None], axis=-1)[:, 0]
 
 
@@ -112,15 +180,16 @@ def _is_stop(tok_B: Array, stop_ids: tuple[int, ...]) -> Array:
 # Jitted generation and scoring (static: model graph, hooks, sampling; arguments: weights and data)
 # ----------------------------------------------------------------------------------------------------------------------
 
-_GENERATE_STATIC = ("cfg", "graphdef", "hooks", "sampling", "stop_ids", "pad_id", "cache_dtype")
+_GENERATE_STATIC = ("cfg", "graphdef", "hooks", "sampling", "stop_ids", "pad_id", "cache_dtype", "decode_chunk")
 # XLA:GPU command buffers (CUDA graphs) for the whole decode loop, WHILE and CONDITIONAL included: one graph launch
 # per generate instead of one launch per kernel per step. Ignored by other backends.
 DECODE_GRAPH_OPTIONS = (("xla_gpu_enable_command_buffer", "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"),)
 
 
 def _generate_impl(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sampling, stop_ids, pad_id,
-                   cache_dtype):
-    """Prefill [B, P] into a cache of P + N slots, then decode one token per step until N tokens or all stopped.
+                   cache_dtype, decode_chunk=1):
+    """Prefill [B, P] into a cache of P + N slots, then decode one token per step until N tokens or all stopped
+    (checked every `decode_chunk` steps; the steps of a chunk past that point leave the outputs unchanged).
 
     Returns completion tokens [B, N] (pad after a stop), their processed log-probs [B, N] (0 where masked), the
     completion mask [B, N] and the number of decode steps run.
@@ -145,24 +214,36 @@ def _generate_impl(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, s
     out_mask = jnp.zeros((B, N), bool).at[:, 0].set(True)
     done = _is_stop(tok0, stop_ids)
 
-    def cond(c):
-        i, _, done, *_ = c
-        return (i < N) & ~jnp.all(done)
-
-    def body(c):
-        i, prev, done, cache, out_tok, out_lp, out_mask = c
+    def step(c):
+        """One decode step at position i; a no-op on the outputs once i >= N (chunk overrun) or all rows stopped."""
+        i, steps, prev, done, cache, out_tok, out_lp, out_mask = c
+        live = (i < N) & ~jnp.all(done)
         alive = ~done  # rows whose previous token was sampled and was not a stop token
         logits_B1V, cache = model(prev[:, None], valid_BT=alive[:, None], cache=cache, quant=hooks)
         tok, lp = sample(logits_B1V[:, 0], i)
         tok = jnp.where(alive, tok, pad_id)
         lp = jnp.where(alive, lp, 0.0)
-        out_tok = jax.lax.dynamic_update_slice(out_tok, tok[:, None], (0, i))
-        out_lp = jax.lax.dynamic_update_slice(out_lp, lp[:, None], (0, i))
-        out_mask = jax.lax.dynamic_update_slice(out_mask, alive[:, None], (0, i))
-        return i + 1, tok, done | (alive & _is_stop(tok, stop_ids)), cache, out_tok, out_lp, out_mask
+        j = jnp.minimum(i, N - 1)  # past N the update writes column N - 1 back unchanged
+        put = lambda out, new: jax.lax.dynamic_update_slice(  # noqa: E731
+            out, jnp.where(i < N, new, jax.lax.dynamic_slice_in_dim(out, j, 1, axis=1)[:, 0])[:, None], (0, j))
+        out_tok, out_lp, out_mask = put(out_tok, tok), put(out_lp, lp), put(out_mask, alive)
+        steps = jnp.where(live, i + 1, steps)
+        return i + 1, steps, tok, done | (alive & _is_stop(tok, stop_ids)), cache, out_tok, out_lp, out_mask
 
-    init = (jnp.ones((), jnp.int32), tok0, done, cache, out_tok, out_lp, out_mask)
-    steps, _, _, _, out_tok, out_lp, out_mask = jax.lax.while_loop(cond, body, init)
+    def cond(c):
+        i, _, _, done, *_ = c
+        return (i < N) & ~jnp.all(done)
+
+    def body(c):
+        # `decode_chunk` steps per while iteration: the loop predicate (a device -> host sync on GPU, after which
+        # the host must enqueue the next step's kernels while the device idles) is read once per chunk.
+        if decode_chunk == 1:
+            return step(c)
+        return jax.lax.fori_loop(0, decode_chunk, lambda _, c: step(c), c)
+
+    one = jnp.ones((), jnp.int32)
+    init = (one, one, tok0, done, cache, out_tok, out_lp, out_mask)
+    _, steps, _, _, _, out_tok, out_lp, out_mask = jax.lax.while_loop(cond, body, init)
     return out_tok, out_lp, out_mask, steps
 
 
@@ -214,6 +295,9 @@ class JaxEngine:
     mesh              optional (data, fsdp, tensor) mesh: weights placed by logical axes, batches over (data, fsdp)
     decode_graphs     on GPU, compile the decode loop into XLA command buffers (CUDA graphs, WHILE/CONDITIONAL
                       included: `DECODE_GRAPH_OPTIONS`); ignored on other backends
+    decode_chunk      decode steps per loop iteration: the all-stopped check (a device -> host sync on GPU) runs
+                      once per chunk, so the host can queue a chunk's kernels ahead; up to chunk - 1 extra steps
+                      are computed (and discarded) after the last row stops. Samples do not depend on it.
 
     Thread-safe: `update_weights` builds the new served weights without blocking generation and swaps them in
     under a lock (updates themselves are serialised); generate/score take one consistent (weights, version)
@@ -227,7 +311,7 @@ class JaxEngine:
                  noise_seed: int = 0, noise_mode: str = "fixed", stale_versions: int = 0, pad_id: int = 0,
                  eos_id: int | None = None,
                  dtype: Any = jnp.float32, cache_dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
-                 decode_graphs: bool = False):
+                 decode_graphs: bool = False, decode_chunk: int = 1):
         if stale_versions < 0:
             raise ValueError(f"stale_versions must be >= 0, got {stale_versions}")
         if weight_noise < 0:
@@ -254,6 +338,9 @@ class JaxEngine:
         self.mesh = mesh
         platform = (jax.default_backend() if mesh is None else mesh.devices.flat[0].platform)
         self.decode_graphs = bool(decode_graphs) and platform in ("gpu", "cuda")
+        if int(decode_chunk) < 1:
+            raise ValueError(f"decode_chunk must be >= 1, got {decode_chunk}")
+        self.decode_chunk = int(decode_chunk)
         self._generate = generate_fn(DECODE_GRAPH_OPTIONS if self.decode_graphs else ())
         abstract_graphdef, self._template = nnx.split(decoder.abstract(cfg, dtype=self.dtype, param_dtype=self.dtype))
         self.graphdef = graphdef if graphdef is not None else abstract_graphdef
@@ -381,7 +468,8 @@ class JaxEngine:
         tok_d, valid_d = self._put(tokens_BP, valid_BP)
         out_tok, out_lp, out_mask, steps = self._generate(
             params, tok_d, valid_d, jnp.uint32(int(seed) & 0xFFFFFFFF), cfg=self.cfg, graphdef=self.graphdef,
-            hooks=self.hooks, sampling=sampling, stop_ids=stop_ids, pad_id=self.pad_id, cache_dtype=self.cache_dtype)
+            hooks=self.hooks, sampling=sampling, stop_ids=stop_ids, pad_id=self.pad_id, cache_dtype=self.cache_dtype,
+            decode_chunk=min(self.decode_chunk, max(N - 1, 1)))
         out_tok, out_lp, out_mask = (np.asarray(a)[:n] for a in (out_tok, out_lp, out_mask))
         self.last_stats = {"batch_bucket": B, "prompt_bucket": P, "decode_steps": int(steps)}
         tokens_BL = np.concatenate([tokens_BP[:n], out_tok], axis=1)

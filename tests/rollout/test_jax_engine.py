@@ -398,3 +398,37 @@ def test_bad_inputs_raise_clear_errors(model, engine):
         JaxEngine(cfg).generate([[1]], SAMPLINGS["t1"], seed=0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
+
+
+@pytest.mark.parametrize("chunk", [4, 7])
+def test_decode_chunk_changes_no_sample_logprob_mask_or_step_count(model, engine, chunk):
+    """Checking for all-stopped once per chunk (and running up to chunk - 1 discarded steps) is invisible."""
+    cfg, g, s, *_ = model
+    chunked = JaxEngine(cfg, s, graphdef=g, decode_chunk=chunk)
+    for sp in (SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=(5, 9, 17, 33)),
+               SamplingParams(max_new_tokens=10, temperature=0.8, top_k=20)):
+        ref = engine.generate(PROMPTS, sp, seed=3)
+        got = chunked.generate(PROMPTS, sp, seed=3)
+        for f in ("tokens_BL", "valid_BL", "completion_mask_BL", "rollout_logp_BL"):
+            np.testing.assert_array_equal(getattr(got, f), getattr(ref, f), err_msg=f)
+        assert chunked.last_stats["decode_steps"] == engine.last_stats["decode_steps"]
+    with pytest.raises(ValueError, match="decode_chunk"):
+        JaxEngine(cfg, s, graphdef=g, decode_chunk=0)
+
+
+def test_sampler_draws_exactly_what_jax_random_categorical_draws():
+    """The engine's Gumbel-max with a two-reduction argmax is the same draw as jax.random.categorical (and the same
+    index as jnp.argmax for greedy), ties and -inf (truncated) entries included."""
+    logits = jax.random.normal(jax.random.key(0), (64, 300)) * 3
+    logits = logits.at[:, 7].set(logits[:, 3])  # ties
+    logp = jax.nn.log_softmax(jnp.where(jnp.arange(300) % 5 == 0, -jnp.inf, logits), -1)  # truncated support
+    keys = jax.random.split(jax.random.key(1), 64)
+    for lp in (jax.nn.log_softmax(logits, -1), logp):
+        ours = jax.jit(jax.vmap(jax_engine._gumbel_max))(keys, lp)
+        ref = jax.jit(jax.vmap(jax.random.categorical))(keys, lp)
+        np.testing.assert_array_equal(ours, ref)
+    assert jax_engine.fused_gumbel_matches_jax()  # the fused threefry path is the one under test here
+    g = jax.jit(jax.vmap(lambda k: jax_engine._gumbel_fused(k, 300)))(keys)
+    np.testing.assert_array_equal(g, jax.vmap(lambda k: jax.random.gumbel(k, (300,)))(keys))
+    np.testing.assert_array_equal(jax_engine.argmax_first(logits), jnp.argmax(logits, -1))
+    np.testing.assert_array_equal(jax_engine.argmax_first(jnp.zeros((2, 5))), [0, 0])
