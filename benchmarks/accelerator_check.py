@@ -367,28 +367,6 @@ def section_engine(rep: Report, wl: Workload) -> dict:
     return dict(engine=eng, batch=batch, params=params, prompts=prompts, sampling=sp, res=res)
 
 
-def section_engine_variants(rep: Report, wl: Workload, st: dict, variants: str = "16,16g"):
-    """The same decode with `decode_chunk` steps per loop iteration ("16") and/or XLA command buffers ("16g")."""
-    cfg, params, prompts, sp, res = wl.cfg, st["params"], st["prompts"], st["sampling"], st["res"]
-    res["variants"] = {}
-    for v in [v for v in variants.split(",") if v]:
-        if rep.left() < 30:
-            rep.row("engine", f"variant {v}", "", "", "skipped: time budget spent")
-            continue
-        chunk, graphs = int(v.rstrip("g")), v.endswith("g")
-        eng = JaxEngine(cfg, params, dtype=jnp.bfloat16, eos_id=None, decode_graphs=graphs, decode_chunk=chunk)
-        b = eng.generate(prompts, sp, seed=0)
-        tg = statistics.median(_time(lambda: eng.generate(prompts, sp, seed=1), 3))
-        step_ms = tg / wl.gen_new * 1e3
-        g = dict(chunk=chunk, graphs=eng.decode_graphs, tok_s=int(b.completion_mask_BL.sum()) / tg, step_ms=step_ms,
-                 frac_of_bound=res["bound_ms"] / step_ms)
-        res["variants"][v] = g
-        del eng
-        rep.row("engine", f"same, decode_chunk={chunk}" + (", decode_graphs (XLA command buffers incl. WHILE)"
-                                                           if graphs else ""),
-                f"{g['tok_s'] / 1e3:.1f}k tok/s ({step_ms:.2f} ms/step), **{g['frac_of_bound']:.0%} of HBM bound**")
-
-
 def section_engine_peer(rep: Report, wl: Workload, st: dict):
     torch = _torch()
     if torch is None:
@@ -398,7 +376,7 @@ def section_engine_peer(rep: Report, wl: Workload, st: dict):
     hf_tok_s = _hf_generate(torch, wl, st["params"])
     res["hf_static_tok_s"] = hf_tok_s
     rep.row("engine", "peer: HF generate, static cache, same batch", "", f"{hf_tok_s / 1e3:.1f}k tok/s",
-            f"opdjax (decode_chunk 1) / HF = {res['tok_s'] / hf_tok_s:.1f}x")
+            f"opdjax / HF = {res['tok_s'] / hf_tok_s:.1f}x")
 
 
 def _save_hf(cfg: ModelConfig, params, dtype) -> str:
@@ -530,9 +508,7 @@ def main():
     ap.add_argument("--out", default=None, help="write the table and every figure as JSON here")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip optional parts once this much time is spent")
     ap.add_argument("--sections",
-                    default="env,qdq,learner,engine,fp8,learner_peer,engine_variants,engine_peer,learner_einsum")
-    ap.add_argument("--engine-variants", default="16,16g",
-                    help="decode_chunk values to time beside the default, 'g' = with decode_graphs")
+                    default="env,qdq,learner,engine,fp8,learner_peer,engine_peer,learner_einsum")
     a = ap.parse_args()
     wl = SMALL if a.small else FULL
     rep = Report(a.budget_s)
@@ -541,12 +517,12 @@ def main():
     failures = 0
     sections = (("env", section_env, 0), ("qdq", section_qdq, 0), ("learner", section_learner, 0),
                 ("engine", section_engine, 0), ("fp8", section_fp8, 60), ("learner_peer", section_learner_peer, 60),
-                ("engine_variants", section_engine_variants, 60), ("engine_peer", section_engine_peer, 60),
+                ("engine_peer", section_engine_peer, 60),
                 ("learner_einsum", section_learner_einsum, 90))
     for name, fn, min_left in sections:
         if name not in wanted:
             continue
-        needs_engine = name in ("fp8", "engine_variants", "engine_peer")
+        needs_engine = name in ("fp8", "engine_peer")
         if needs_engine and eng_state is None:
             rep.row(name, "skipped", "", "", "needs the engine section's state")
             continue
@@ -554,10 +530,7 @@ def main():
             rep.row(name, "skipped", "", "", f"time budget of {a.budget_s:.0f} s spent")
             continue
         try:
-            if name == "engine_variants":
-                out = fn(rep, wl, eng_state, a.engine_variants)
-            else:
-                out = fn(rep, wl, eng_state) if needs_engine else fn(rep, wl)
+            out = fn(rep, wl, eng_state) if needs_engine else fn(rep, wl)
             if name == "engine":
                 eng_state = out
         except Exception as e:  # noqa: BLE001 - report and go on with the next section

@@ -2,8 +2,7 @@
 
 Workload (issue 14's CPU figure): a random-init 57M Qwen3 (hidden 512, MLP 1536, 8 layers, 8 heads / 4 KV heads,
 head_dim 64, vocab 32000), f32, batch 8, 32-token prompts, 64 new tokens, temperature 1, no stop token. Both
-engines are warmed up (compilation / graph capture excluded), then timed `--repeats` times alternately
-in alternating fresh processes (jax, vllm, jax, vllm, ...: `--rounds` of each, `--repeats` generates per process),
+engines are warmed up (compilation / graph capture excluded), then timed in alternating fresh processes (jax, vllm, jax, vllm, ...: `--rounds` of each, `--repeats` generates per process),
 so a change in machine load hits both and neither engine's threads compete with the other's. Prints tokens/s
 (median over all timed generates) and the ratio JaxEngine / vLLM, plus the load average before and after.
 

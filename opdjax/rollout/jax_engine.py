@@ -180,16 +180,13 @@ def _is_stop(tok_B: Array, stop_ids: tuple[int, ...]) -> Array:
 # Jitted generation and scoring (static: model graph, hooks, sampling; arguments: weights and data)
 # ----------------------------------------------------------------------------------------------------------------------
 
-_GENERATE_STATIC = ("cfg", "graphdef", "hooks", "sampling", "stop_ids", "pad_id", "cache_dtype", "decode_chunk")
-# XLA:GPU command buffers (CUDA graphs) for the whole decode loop, WHILE and CONDITIONAL included: one graph launch
-# per generate instead of one launch per kernel per step. Ignored by other backends.
-DECODE_GRAPH_OPTIONS = (("xla_gpu_enable_command_buffer", "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"),)
+_GENERATE_STATIC = ("cfg", "graphdef", "hooks", "sampling", "stop_ids", "pad_id", "cache_dtype")
 
 
-def _generate_impl(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sampling, stop_ids, pad_id,
-                   cache_dtype, decode_chunk=1):
-    """Prefill [B, P] into a cache of P + N slots, then decode one token per step until N tokens or all stopped
-    (checked every `decode_chunk` steps; the steps of a chunk past that point leave the outputs unchanged).
+@functools.partial(jax.jit, static_argnames=_GENERATE_STATIC)
+def _generate_jit(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sampling, stop_ids, pad_id,
+                  cache_dtype):
+    """Prefill [B, P] into a cache of P + N slots, then decode one token per step until N tokens or all stopped.
 
     Returns completion tokens [B, N] (pad after a stop), their processed log-probs [B, N] (0 where masked), the
     completion mask [B, N] and the number of decode steps run.
@@ -214,47 +211,25 @@ def _generate_impl(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, s
     out_mask = jnp.zeros((B, N), bool).at[:, 0].set(True)
     done = _is_stop(tok0, stop_ids)
 
-    def step(c):
-        """One decode step at position i; a no-op on the outputs once i >= N (chunk overrun) or all rows stopped."""
-        i, steps, prev, done, cache, out_tok, out_lp, out_mask = c
-        live = (i < N) & ~jnp.all(done)
+    def cond(c):
+        i, _, done, *_ = c
+        return (i < N) & ~jnp.all(done)
+
+    def body(c):
+        i, prev, done, cache, out_tok, out_lp, out_mask = c
         alive = ~done  # rows whose previous token was sampled and was not a stop token
         logits_B1V, cache = model(prev[:, None], valid_BT=alive[:, None], cache=cache, quant=hooks)
         tok, lp = sample(logits_B1V[:, 0], i)
         tok = jnp.where(alive, tok, pad_id)
         lp = jnp.where(alive, lp, 0.0)
-        j = jnp.minimum(i, N - 1)  # past N the update writes column N - 1 back unchanged
-        put = lambda out, new: jax.lax.dynamic_update_slice(  # noqa: E731
-            out, jnp.where(i < N, new, jax.lax.dynamic_slice_in_dim(out, j, 1, axis=1)[:, 0])[:, None], (0, j))
-        out_tok, out_lp, out_mask = put(out_tok, tok), put(out_lp, lp), put(out_mask, alive)
-        steps = jnp.where(live, i + 1, steps)
-        return i + 1, steps, tok, done | (alive & _is_stop(tok, stop_ids)), cache, out_tok, out_lp, out_mask
+        out_tok = jax.lax.dynamic_update_slice(out_tok, tok[:, None], (0, i))
+        out_lp = jax.lax.dynamic_update_slice(out_lp, lp[:, None], (0, i))
+        out_mask = jax.lax.dynamic_update_slice(out_mask, alive[:, None], (0, i))
+        return i + 1, tok, done | (alive & _is_stop(tok, stop_ids)), cache, out_tok, out_lp, out_mask
 
-    def cond(c):
-        i, _, _, done, *_ = c
-        return (i < N) & ~jnp.all(done)
-
-    def body(c):
-        # `decode_chunk` steps per while iteration: the loop predicate (a device -> host sync on GPU, after which
-        # the host must enqueue the next step's kernels while the device idles) is read once per chunk.
-        if decode_chunk == 1:
-            return step(c)
-        return jax.lax.fori_loop(0, decode_chunk, lambda _, c: step(c), c)
-
-    one = jnp.ones((), jnp.int32)
-    init = (one, one, tok0, done, cache, out_tok, out_lp, out_mask)
-    _, steps, _, _, _, out_tok, out_lp, out_mask = jax.lax.while_loop(cond, body, init)
+    init = (jnp.ones((), jnp.int32), tok0, done, cache, out_tok, out_lp, out_mask)
+    steps, _, _, _, out_tok, out_lp, out_mask = jax.lax.while_loop(cond, body, init)
     return out_tok, out_lp, out_mask, steps
-
-
-@functools.lru_cache(maxsize=None)
-def generate_fn(compiler_options: tuple[tuple[str, str], ...] = ()):
-    """The jitted `_generate_impl` for a set of XLA compiler options (one jit, hence one compile cache, per set)."""
-    return jax.jit(_generate_impl, static_argnames=_GENERATE_STATIC,
-                   compiler_options=dict(compiler_options) or None)
-
-
-_generate_jit = generate_fn()
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "hooks", "temperature", "top_k"))
@@ -293,11 +268,6 @@ class JaxEngine:
     pad_id, eos_id    padding id; eos_id (if not None) stops a row like any of `sampling.stop_token_ids`
     dtype             compute and weight storage dtype; cache_dtype: KV-cache storage dtype (default dtype)
     mesh              optional (data, fsdp, tensor) mesh: weights placed by logical axes, batches over (data, fsdp)
-    decode_graphs     on GPU, compile the decode loop into XLA command buffers (CUDA graphs, WHILE/CONDITIONAL
-                      included: `DECODE_GRAPH_OPTIONS`); ignored on other backends
-    decode_chunk      decode steps per loop iteration: the all-stopped check (a device -> host sync on GPU) runs
-                      once per chunk, so the host can queue a chunk's kernels ahead; up to chunk - 1 extra steps
-                      are computed (and discarded) after the last row stops. Samples do not depend on it.
 
     Thread-safe: `update_weights` builds the new served weights without blocking generation and swaps them in
     under a lock (updates themselves are serialised); generate/score take one consistent (weights, version)
@@ -310,8 +280,7 @@ class JaxEngine:
                  recipe: quant.Recipe | str | Mapping[str, Any] | None = None, weight_noise: float = 0.0,
                  noise_seed: int = 0, noise_mode: str = "fixed", stale_versions: int = 0, pad_id: int = 0,
                  eos_id: int | None = None,
-                 dtype: Any = jnp.float32, cache_dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
-                 decode_graphs: bool = False, decode_chunk: int = 1):
+                 dtype: Any = jnp.float32, cache_dtype: Any = None, mesh: jax.sharding.Mesh | None = None):
         if stale_versions < 0:
             raise ValueError(f"stale_versions must be >= 0, got {stale_versions}")
         if weight_noise < 0:
@@ -336,12 +305,6 @@ class JaxEngine:
         self.pad_id = int(pad_id)
         self.eos_id = None if eos_id is None else int(eos_id)
         self.mesh = mesh
-        platform = (jax.default_backend() if mesh is None else mesh.devices.flat[0].platform)
-        self.decode_graphs = bool(decode_graphs) and platform in ("gpu", "cuda")
-        if int(decode_chunk) < 1:
-            raise ValueError(f"decode_chunk must be >= 1, got {decode_chunk}")
-        self.decode_chunk = int(decode_chunk)
-        self._generate = generate_fn(DECODE_GRAPH_OPTIONS if self.decode_graphs else ())
         abstract_graphdef, self._template = nnx.split(decoder.abstract(cfg, dtype=self.dtype, param_dtype=self.dtype))
         self.graphdef = graphdef if graphdef is not None else abstract_graphdef
         self._lock = threading.Lock()  # guards the swap; held only for a moment
@@ -466,10 +429,9 @@ class JaxEngine:
         valid_BP[n:, -1] = True  # padding rows: one pad token, dropped afterwards
         stop_ids = tuple(sorted(set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())))
         tok_d, valid_d = self._put(tokens_BP, valid_BP)
-        out_tok, out_lp, out_mask, steps = self._generate(
+        out_tok, out_lp, out_mask, steps = _generate_jit(
             params, tok_d, valid_d, jnp.uint32(int(seed) & 0xFFFFFFFF), cfg=self.cfg, graphdef=self.graphdef,
-            hooks=self.hooks, sampling=sampling, stop_ids=stop_ids, pad_id=self.pad_id, cache_dtype=self.cache_dtype,
-            decode_chunk=min(self.decode_chunk, max(N - 1, 1)))
+            hooks=self.hooks, sampling=sampling, stop_ids=stop_ids, pad_id=self.pad_id, cache_dtype=self.cache_dtype)
         out_tok, out_lp, out_mask = (np.asarray(a)[:n] for a in (out_tok, out_lp, out_mask))
         self.last_stats = {"batch_bucket": B, "prompt_bucket": P, "decode_steps": int(steps)}
         tokens_BL = np.concatenate([tokens_BP[:n], out_tok], axis=1)

@@ -400,22 +400,6 @@ def test_bad_inputs_raise_clear_errors(model, engine):
         SamplingParams(temperature=-1.0)
 
 
-@pytest.mark.parametrize("chunk", [4, 7])
-def test_decode_chunk_changes_no_sample_logprob_mask_or_step_count(model, engine, chunk):
-    """Checking for all-stopped once per chunk (and running up to chunk - 1 discarded steps) is invisible."""
-    cfg, g, s, *_ = model
-    chunked = JaxEngine(cfg, s, graphdef=g, decode_chunk=chunk)
-    for sp in (SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=(5, 9, 17, 33)),
-               SamplingParams(max_new_tokens=10, temperature=0.8, top_k=20)):
-        ref = engine.generate(PROMPTS, sp, seed=3)
-        got = chunked.generate(PROMPTS, sp, seed=3)
-        for f in ("tokens_BL", "valid_BL", "completion_mask_BL", "rollout_logp_BL"):
-            np.testing.assert_array_equal(getattr(got, f), getattr(ref, f), err_msg=f)
-        assert chunked.last_stats["decode_steps"] == engine.last_stats["decode_steps"]
-    with pytest.raises(ValueError, match="decode_chunk"):
-        JaxEngine(cfg, s, graphdef=g, decode_chunk=0)
-
-
 def test_sampler_draws_exactly_what_jax_random_categorical_draws():
     """The engine's Gumbel-max with a two-reduction argmax is the same draw as jax.random.categorical (and the same
     index as jnp.argmax for greedy), ties and -inf (truncated) entries included."""

@@ -1,0 +1,35 @@
+"""benchmarks/accelerator_check.py in its small CPU mode: every section runs and the table has every row, so the
+script that is run on a lent H200 does not rot between the sessions that have one."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_accelerator_check_small_mode_runs_every_section(tmp_path):
+    out = tmp_path / "accel.json"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "accelerator_check.py"), "--small",
+                           "--out", str(out), "--sections", "env,qdq,learner,engine,fp8"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    sections = {r["section"] for r in res["rows"]}
+    assert sections == {"env", "qdq", "learner", "engine", "fp8"}
+    assert not [r for r in res["rows"] if r["what"] in ("FAILED", "skipped")]
+    fig = res["figures"]
+    assert fig["qdq_float32"]["changed"] > 0.9 and fig["qdq_bfloat16"]["changed"] > 0.5
+    assert fig["check_effective_bad"] == []
+    assert fig["learner"]["tok_s"] > 0 and fig["engine"]["tok_s"] > 0
+    # simulated and "real" (torch's own FP8 casts on CPU) k3 of the same tokens: positive and of one magnitude
+    sim, real = fig["fp8"]["sim"], fig["fp8"]["real"]
+    for name in ("fp8_w8a8", "fp8_weights_only"):
+        assert sim[name] > 0
+        if real:
+            assert 0.3 < sim[name] / real[name] < 3, (name, sim[name], real[name])
+    assert "| learner |" in res["table"] and "MFU" in res["table"]
