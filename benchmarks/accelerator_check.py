@@ -3,6 +3,7 @@
 One script, one process, under 8 minutes on one H200 (jax[cuda] 0.11, flax 0.12.10, optax, orbax, transformers and
 torch; no vLLM). Prints a markdown table (and writes it, with every figure, as JSON to --out):
 
+  attention the fused attention "auto" picks (cuDNN on GPU) against the einsum path: bf16 logits of a padded batch.
   qdq       quant.qdq(x, "e4m3", "tensor") on a 512x1536 array, f32 and bf16: share of values changed, distinct
             values; the naive `x.astype(f8).astype(x.dtype)` beside it (XLA on GPU removes that round trip);
             quant.check_effective for every preset recipe on this backend.
@@ -290,6 +291,38 @@ def section_learner(rep: Report, wl: Workload):
             f"step {res['step_s'] * 1e3:.1f} ms, first step {res['compile_s']:.0f} s; peak {ISSUE_PEAK_TFLOPS:.0f}")
 
 
+def section_attention_parity(rep: Report, wl: Workload):
+    """Logits of the fused attention "auto" resolves to (cuDNN on GPU) against the einsum path, on a batch with
+    left and right padding, bf16 compute: the fused kernel must mask exactly what the einsum path masks."""
+    cfg = wl.cfg
+    B, L = 4, min(wl.learn_len, 256)
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, L)), jnp.int32)
+    valid = np.ones((B, L), bool)
+    valid[0, : L // 4] = False
+    valid[1, -L // 8:] = False
+    valid[2, :3] = False
+    valid[2, -5:] = False
+    params = nnx.state(decoder.create(cfg, seed=3, dtype=jnp.bfloat16, param_dtype=jnp.float32))
+    out = {}
+    for impl in ("auto", "einsum"):
+        gd = nnx.graphdef(decoder.abstract(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, attention=impl))
+        logits, _ = jax.jit(lambda p, t, v: decoder.forward(gd, p, t, valid_BT=v))(params, tokens, jnp.asarray(valid))
+        out[impl] = np.where(valid[..., None], np.asarray(logits, np.float32), 0.0)
+    row_diff = np.abs(out["auto"] - out["einsum"]).max(axis=(1, 2))  # rows 0-2 padded, row 3 not
+    scale = float(np.max(np.abs(out["einsum"])))
+    impl = decoder.resolve_attention("auto", jnp.bfloat16, cfg.head_dim)
+    # A masking error shows as padded rows far off while the unpadded row agrees to bf16 rounding.
+    ok = row_diff[:3].max() <= 3 * row_diff[3] + 0.01 * max(scale, 1)
+    rep.figures["attention_parity"] = dict(impl=impl, max_abs_diff=float(row_diff.max()),
+                                           row_diffs=[float(d) for d in row_diff], max_abs_logit=scale)
+    rep.row("learner", f"{impl} vs einsum attention, bf16 logits, rows 0-2 padded, row 3 not",
+            "max |diff| per row " + " / ".join(f"{d:.3g}" for d in row_diff) + f" (max |logit| {scale:.3g})", "",
+            "ok: padded rows agree as well as the unpadded one" if ok else "MISMATCH on padded rows")
+    if not ok:
+        raise AssertionError(f"fused attention ({impl}) differs from the einsum path on padded rows: {row_diff}")
+
+
 def section_learner_peer(rep: Report, wl: Workload):
     peer = _torch_learner(wl, _rkl_batch(wl, np.random.default_rng(0)))
     rep.figures["learner_torch"] = peer
@@ -508,14 +541,15 @@ def main():
     ap.add_argument("--out", default=None, help="write the table and every figure as JSON here")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip optional parts once this much time is spent")
     ap.add_argument("--sections",
-                    default="env,qdq,learner,engine,fp8,learner_peer,engine_peer,learner_einsum")
+                    default="env,qdq,attention,learner,engine,fp8,learner_peer,engine_peer,learner_einsum")
     a = ap.parse_args()
     wl = SMALL if a.small else FULL
     rep = Report(a.budget_s)
     wanted = a.sections.split(",")
     eng_state = None
     failures = 0
-    sections = (("env", section_env, 0), ("qdq", section_qdq, 0), ("learner", section_learner, 0),
+    sections = (("env", section_env, 0), ("qdq", section_qdq, 0), ("attention", section_attention_parity, 0),
+                ("learner", section_learner, 0),
                 ("engine", section_engine, 0), ("fp8", section_fp8, 60), ("learner_peer", section_learner_peer, 60),
                 ("engine_peer", section_engine_peer, 60),
                 ("learner_einsum", section_learner_einsum, 90))

@@ -113,3 +113,16 @@ def test_learner_step_mixed_precision_keeps_f32_params_and_matches_f32_loss():
         assert {a.dtype for a in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
         losses[jnp.dtype(dtype).name] = m["loss"]
     assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=0.05, abs=0.02)
+
+
+def test_causal_flag_added_for_cudnn_does_not_change_the_masked_attention():
+    """The cuDNN path passes is_causal=True on top of the causal+padding mask (so cuDNN skips the upper
+    triangle); with XLA's implementation on CPU the combination must equal the mask alone."""
+    B, T, H, K, D = 2, 9, 4, 2, 16
+    ks = jax.random.split(jax.random.key(4), 3)
+    q, k, v = (jax.random.normal(kk, (B, T, n, D)) for kk, n in zip(ks, (H, K, K)))
+    valid = jnp.asarray(np.arange(T)[None] >= np.array([[3], [0]]))
+    mask = (jnp.arange(T)[None, :, None] >= jnp.arange(T)[None, None, :]) & valid[:, None, :]
+    a = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
+    b = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], is_causal=True, implementation="xla")
+    np.testing.assert_allclose(np.asarray(a)[np.asarray(valid)], np.asarray(b)[np.asarray(valid)], atol=1e-6)
