@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from opdjax import mismatch
-from opdjax.learner import token_logprobs
+from opdjax.logprobs import token_logprobs
 from opdjax.models import decoder
 from opdjax.models.tiny import tiny_config
 

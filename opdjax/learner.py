@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from opdjax import losses, mismatch
+from opdjax.logprobs import chunked_token_logprobs, token_logprobs  # noqa: F401 (re-exported)
 from opdjax.sharding import logical_spec, shard_state
 
 Array = jax.Array
@@ -34,64 +35,6 @@ class TrainState:
     step: Array          # int32 scalar: optimizer steps taken (= weight version)
     params: Any          # nnx.State of the student
     opt_state: Any       # optax state
-
-
-def token_logprobs(logits_BLV: Array, tokens_BL: Array, temperature: float = 1.0,
-                   full: bool = False) -> tuple[Array, Array | None]:
-    """logp_BL[b, l] = log softmax(logits[b, l-1] / T)[tokens[b, l]] (0 at l = 0), and optionally the full
-    shifted log-softmax logprobs_BLV (zeros at l = 0)."""
-    lp_BLV = jax.nn.log_softmax(logits_BLV[:, :-1].astype(jnp.float32) / temperature, axis=-1)
-    logp = jnp.take_along_axis(lp_BLV, tokens_BL[:, 1:, None], axis=-1)[..., 0]
-    logp_BL = jnp.pad(logp, ((0, 0), (1, 0)))
-    if not full:
-        return logp_BL, None
-    return logp_BL, jnp.pad(lp_BLV, ((0, 0), (1, 0), (0, 0)))
-
-
-LOGPROB_CHUNK_ELEMENTS = 1 << 26  # default chunk: at most 64M logits (256 MB in f32) per chunk
-
-
-def logprob_chunk_len(batch: int, length: int, vocab: int, max_elements: int = LOGPROB_CHUNK_ELEMENTS) -> int:
-    """Positions per chunk so that batch * chunk * vocab <= max_elements (at least 1, at most `length`)."""
-    return int(max(1, min(length, max_elements // max(batch * vocab, 1))))
-
-
-def chunked_token_logprobs(h_BLE: Array, w_EV: Array, tokens_BL: Array, temperature: float = 1.0,
-                           chunk: int | None = None) -> Array:
-    """Token log-probs from final hidden states without materialising the [B, L, V] logits.
-
-    logp_BL[b, l] = z[tokens[b, l]] - logsumexp(z),  z = (h[b, l-1] @ W) / T  in float32;  logp_BL[:, 0] = 0.
-
-    The L-1 predicting positions are processed `chunk` at a time (default: `logprob_chunk_len`) under
-    `jax.checkpoint`, so the forward keeps only [B, chunk, V] logits alive and the backward pass recomputes each
-    chunk's logits instead of storing them: peak logits memory B·chunk·V instead of several B·L·V float32 arrays.
-    The same values as `token_logprobs(h @ W, tokens, T)` up to float32 rounding. h [B, L, E], W [E, V].
-    """
-    B, L, E = h_BLE.shape
-    V = w_EV.shape[-1]
-    n = L - 1
-    if n <= 0:
-        return jnp.zeros((B, L), jnp.float32)
-    c = logprob_chunk_len(B, n, V) if chunk is None else max(1, min(int(chunk), n))
-    k = -(-n // c)
-    pad = k * c - n
-    h = jnp.pad(h_BLE[:, :-1], ((0, 0), (0, pad), (0, 0)))
-    t = jnp.pad(tokens_BL[:, 1:], ((0, 0), (0, pad)))
-    h_KBCE = h.reshape(B, k, c, E).swapaxes(0, 1)
-    t_KBC = t.reshape(B, k, c).swapaxes(0, 1)
-    temp = jnp.float32(temperature)
-
-    @jax.checkpoint
-    def one(h_BCE, t_BC):
-        z_BCV = jnp.dot(h_BCE, w_EV.astype(h_BCE.dtype)).astype(jnp.float32) / temp
-        tok = jnp.take_along_axis(z_BCV, t_BC[..., None], axis=-1)[..., 0]
-        return tok - jax.nn.logsumexp(z_BCV, axis=-1)
-
-    if k == 1:
-        lp_BN = one(h_KBCE[0], t_KBC[0])
-    else:
-        lp_BN = jax.lax.map(lambda a: one(*a), (h_KBCE, t_KBC)).swapaxes(0, 1).reshape(B, k * c)
-    return jnp.pad(lp_BN[:, :n], ((0, 0), (1, 0)))
 
 
 def make_schedule(lr: float, total_steps: int, warmup_steps: int = 0, kind: str = "constant") -> optax.Schedule:

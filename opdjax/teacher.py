@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from opdjax.logprobs import shifted_logprobs
 from opdjax.models import ModelConfig, decoder, hf
 
 
@@ -35,17 +36,16 @@ def scores_from_logits(logits_BLV: jax.Array, tokens_BL: jax.Array, top_k: int, 
                        temperature: float = 1.0) -> dict[str, jax.Array]:
     """teacher_logp_BL[b, l] = log softmax(logits[b, l-1] / τ)[tokens[b, l]] (0 at l = 0), plus top-k / logits.
 
-    top-k ids/log-probs [B, L, K] describe the distribution predicting position l (normalised over the full vocab).
+    top-k ids/log-probs [B, L, K] describe the distribution predicting position l (normalised over the full vocab);
+    teacher_logits_BLV are the shifted logits / τ (zeros at l = 0).
     """
-    scaled = logits_BLV[:, :-1].astype(jnp.float32) / temperature
-    lp = jax.nn.log_softmax(scaled, axis=-1)
-    pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
-    out = {"teacher_logp_BL": pad(jnp.take_along_axis(lp, tokens_BL[:, 1:, None], -1)[..., 0])}
+    s = shifted_logprobs(logits_BLV, tokens_BL, temperature, top_k=top_k)
+    out = {"teacher_logp_BL": s["logp_BL"]}
     if top_k:
-        vals, ids = jax.lax.top_k(lp, top_k)
-        out["teacher_topk_logp_BLK"], out["teacher_topk_ids_BLK"] = pad(vals), pad(ids.astype(jnp.int32))
+        out["teacher_topk_logp_BLK"], out["teacher_topk_ids_BLK"] = s["topk_logp_BLK"], s["topk_ids_BLK"]
     if full:
-        out["teacher_logits_BLV"] = pad(scaled)
+        out["teacher_logits_BLV"] = jnp.pad(logits_BLV[:, :-1].astype(jnp.float32) / jnp.float32(temperature),
+                                            ((0, 0), (1, 0), (0, 0)))
     return out
 
 

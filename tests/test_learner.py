@@ -1,4 +1,4 @@
-"""The learner's fast paths against the plain ones: chunked log-probs, fused attention, remat, mixed precision.
+"""The learner's fast paths against the plain ones: fused attention, remat, mixed precision.
 
 References: `token_logprobs` on fully materialised logits (a log_softmax nobody here had to re-derive), the einsum
 attention path (itself checked against transformers in tests/models/test_hf_parity.py).
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from opdjax.learner import Learner, chunked_token_logprobs, logprob_chunk_len, token_logprobs
+from opdjax.learner import Learner
+from opdjax.logprobs import token_logprobs
 from opdjax.models import decoder
 from opdjax.models.config import ModelConfig
 
@@ -29,35 +30,6 @@ def _batch(B=3, L=13, seed=0):
     valid[2, :2] = False
     valid[2, -1:] = False
     return jnp.asarray(tokens), jnp.asarray(valid)
-
-
-@pytest.mark.parametrize("chunk", [None, 1, 3, 5, 100])
-def test_chunked_logprobs_equal_full_log_softmax_values_and_grads(chunk):
-    k1, k2 = jax.random.split(jax.random.key(0))
-    h = jax.random.normal(k1, (3, 13, 32))
-    w = jax.random.normal(k2, (32, 96)) * 0.3
-    tokens, _ = _batch()
-    T = 0.7
-
-    def full(h, w):
-        return token_logprobs(jnp.einsum("ble,ev->blv", h, w), tokens, T)[0]
-
-    def chunked(h, w):
-        return chunked_token_logprobs(h, w, tokens, T, chunk)
-
-    np.testing.assert_allclose(chunked(h, w), full(h, w), rtol=1e-5, atol=1e-5)
-    assert np.all(np.asarray(chunked(h, w))[:, 0] == 0)
-    wts = jax.random.normal(jax.random.key(3), (3, 13))
-    g_full = jax.grad(lambda h, w: jnp.sum(full(h, w) * wts), argnums=(0, 1))(h, w)
-    g_chunk = jax.grad(lambda h, w: jnp.sum(chunked(h, w) * wts), argnums=(0, 1))(h, w)
-    for a, b in zip(g_chunk, g_full):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-
-
-def test_chunk_length_bounds_logits_per_chunk():
-    assert logprob_chunk_len(16, 1023, 32768) == 128  # 16 * 128 * 32768 = 2^26
-    assert logprob_chunk_len(4, 40, 320) == 40
-    assert logprob_chunk_len(1 << 20, 10, 1 << 20) == 1
 
 
 def test_attention_auto_resolves_per_backend_and_dtype():

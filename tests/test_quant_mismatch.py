@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from opdjax import mismatch, quant
-from opdjax.learner import token_logprobs
+from opdjax.logprobs import token_logprobs
 from opdjax.models import decoder, hf
 from opdjax.models.tiny import tiny_config
 from opdjax.rollout import SamplingParams

@@ -13,7 +13,7 @@ head_dim <= 128 (it skips the masked upper triangle), XLA's implementation elsew
 no kernel behind this API); "xla", "cudnn" and "einsum" force one. `remat` ("none", "block": recompute each block
 in the backward pass, "dots": keep only matmul outputs) trades compute for activation memory.
 `return_hidden=True` returns the final-norm hidden states instead of logits, for log-probs computed in chunks
-(`opdjax.learner.chunked_token_logprobs`) so that [B, T, V] logits never exist at once.
+(`opdjax.logprobs.chunked_token_logprobs`) so that [B, T, V] logits never exist at once.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from opdjax import quant
+from opdjax.logprobs import shifted_logprobs
 from opdjax.models import decoder, hf
 from opdjax.models.config import ModelConfig
 from opdjax.rollout.base import RolloutBatch, SamplingParams
@@ -236,15 +237,12 @@ def _generate_jit(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sa
 def _score_jit(params, tokens_BL, valid_BL, *, graphdef, hooks, temperature, top_k):
     """Full forward; log-prob of tokens[:, l] from logits[:, l-1] / T where both positions are valid (else 0)."""
     logits_BLV, _ = decoder.forward(graphdef, params, tokens_BL, valid_BT=valid_BL, quant=hooks)
-    logp_BLV = jax.nn.log_softmax(logits_BLV[:, :-1] / jnp.float32(temperature), axis=-1)
-    scored = valid_BL[:, 1:] & valid_BL[:, :-1]
-    lp = jnp.take_along_axis(logp_BLV, tokens_BL[:, 1:, None], axis=-1)[..., 0]
-    pad1 = lambda a: jnp.pad(a, [(0, 0), (1, 0)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-    out = {"logp_BL": pad1(jnp.where(scored, lp, 0.0))}
+    s = shifted_logprobs(logits_BLV, tokens_BL, temperature, top_k=top_k)
+    scored = jnp.pad(valid_BL[:, 1:] & valid_BL[:, :-1], ((0, 0), (1, 0)))
+    out = {"logp_BL": jnp.where(scored, s["logp_BL"], 0.0)}
     if top_k > 0:
-        vals, ids = jax.lax.top_k(logp_BLV, top_k)
-        out["topk_logp_BLK"] = pad1(jnp.where(scored[..., None], vals, 0.0))
-        out["topk_ids_BLK"] = pad1(jnp.where(scored[..., None], ids, 0).astype(jnp.int32))
+        out["topk_logp_BLK"] = jnp.where(scored[..., None], s["topk_logp_BLK"], 0.0)
+        out["topk_ids_BLK"] = jnp.where(scored[..., None], s["topk_ids_BLK"], 0)
     return out
 
 
