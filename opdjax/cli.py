@@ -118,15 +118,26 @@ def _enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def main(argv: list[str] | None = None) -> int:
+def user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that report bad input (a config, a checkpoint, a vocabulary, a recipe, a budget, a weight
+    manifest): the CLI prints their message, not a traceback, and exits 2."""
+    from opdjax.admission import AdmissionError
+    from opdjax.bridge.manifest import BridgeError
     from opdjax.config import ConfigError
+    from opdjax.models.safetensors_io import CheckpointError
+    from opdjax.quant import RecipeError
+    from opdjax.teacher import VocabMismatchError
 
+    return ConfigError, CheckpointError, VocabMismatchError, RecipeError, AdmissionError, BridgeError
+
+
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _enable_compilation_cache()
     try:
         return int(args.func(args) or 0)
-    except ConfigError as e:
-        print(f"opdjax {args.command}: ConfigError: {e}", file=sys.stderr)
+    except user_errors() as e:
+        print(f"opdjax {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
 

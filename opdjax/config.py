@@ -19,8 +19,7 @@ from typing import Any, Mapping
 import yaml
 
 
-class ConfigError(ValueError):
-    """A config key that does not exist, or a value of the wrong type or outside its choices."""
+from opdjax.models.config import ConfigError  # noqa: E402 - the one ConfigError (train and model configs)
 
 
 def _choice(section: str, key: str, value: Any, choices) -> None:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from opdjax import losses, mismatch
 from opdjax.logprobs import chunked_token_logprobs, token_logprobs  # noqa: F401 (re-exported)
-from opdjax.sharding import logical_spec, shard_state
+from opdjax.sharding import batch_sharding, shard_state
 
 Array = jax.Array
 
@@ -59,11 +59,6 @@ def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformatio
     parts = [optax.clip_by_global_norm(optim.grad_clip)] if optim.grad_clip > 0 else []
     parts.append(optax.adamw(schedule, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay))
     return optax.chain(*parts), schedule
-
-
-def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    """Rows over (data, fsdp) when they divide evenly, else replicated; other dims replicated."""
-    return NamedSharding(mesh, logical_spec(("batch",) + (None,) * (len(shape) - 1), shape, mesh))
 
 
 def to_global(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, Array]:

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from opdjax import mismatch, tasks
-from opdjax.config import TrainConfig, to_dict
+from opdjax.config import ConfigError, TrainConfig, to_dict
 from opdjax.data import PromptStream, encode_prompts
 from opdjax.learner import Learner, latest_step, restore_checkpoint, save_checkpoint
 from opdjax.models import ModelConfig, hf
@@ -65,6 +65,10 @@ def resolve_models(cfg: TrainConfig, log=print) -> tuple[str, str]:
         meta = prepare_builtin(cfg.task, cfg.prepare, log=log)
         student = meta["student"] if student == "builtin" else student
         teacher = meta["teacher"] if teacher == "builtin" else teacher
+    for role, path in (("student", student), ("teacher", teacher)):
+        if not pathlib.Path(path).is_dir():
+            raise ConfigError(f"{role}={path!r}: no such directory (expected a Hugging Face model directory with "
+                              f"config.json and *.safetensors, or 'builtin'); nothing is downloaded")
     return student, teacher
 
 

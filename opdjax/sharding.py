@@ -98,9 +98,10 @@ def shard_state(state: nnx.State, mesh: Mesh) -> nnx.State:
                         is_leaf=_is_var)
 
 
-def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Batch-major arrays [B, ...]: B split over (data, fsdp), the rest replicated."""
-    return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Batch-major arrays [B, ...]: rows over (data, fsdp) when they divide evenly (mesh axes that do not divide B
+    are dropped, as for every logical axis), the other dims replicated."""
+    return NamedSharding(mesh, logical_spec(("batch",) + (None,) * (len(shape) - 1), tuple(shape), mesh))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -51,3 +51,31 @@ def test_missing_config_file_is_a_clear_error(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load(TrainConfig, tmp_path / "list.yaml")
+
+
+def test_cli_reports_model_and_checkpoint_errors_without_a_traceback(capsys, tmp_path, pair):
+    """A student directory that does not exist, a directory without config.json and an unsupported model_type:
+    one line naming the problem, exit 2 (the model-config and checkpoint errors are user errors too)."""
+    import json
+    import shutil
+
+    from opdjax import models
+    from opdjax.config import ConfigError as TrainConfigError
+
+    assert models.ConfigError is TrainConfigError  # one ConfigError class
+    student, teacher = pair
+    assert main(["train", f"student={tmp_path / 'nope'}", f"teacher={teacher}"]) == 2
+    err = capsys.readouterr().err
+    assert "ConfigError: student=" in err and "no such directory" in err and "Traceback" not in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["train", f"student={student}", f"teacher={empty}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("opdjax train: ") and "config.json" in err[0], err
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(student, gpt2)
+    cfg = json.loads((gpt2 / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    assert main(["train", f"student={gpt2}", f"teacher={teacher}"]) == 2
+    err = capsys.readouterr().err
+    assert "ConfigError:" in err and "gpt2/config.json: unsupported model_type 'gpt2'" in err

@@ -36,7 +36,7 @@ def test_sharded_forward_equals_single_device(cpu_devices, tmp_path):
     sharded_state = shard_state(state, mesh)
     q = sharded_state["layers"][0]["attn"]["q"]["kernel"]
     assert q.get_value().sharding.spec == P("fsdp", "tensor")
-    tok_s = jax.device_put(tokens, batch_sharding(mesh))
+    tok_s = jax.device_put(tokens, batch_sharding(mesh, tokens.shape))
     out = jax.jit(lambda s, t: forward(graphdef, s, t)[0])(sharded_state, tok_s)
     assert len(out.sharding.device_set) == 8
     np.testing.assert_allclose(np.asarray(out), np.asarray(single), atol=1e-5, rtol=0)

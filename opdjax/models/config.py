@@ -25,7 +25,9 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class ConfigError(ValueError):
-    """A model config that opdjax cannot represent, naming the field and what was expected."""
+    """A configuration opdjax cannot use — a train-config key that does not exist, a value of the wrong type or
+    outside its choices, a model config.json it cannot represent — naming the field and what was expected.
+    The one ConfigError class (`opdjax.config.ConfigError` is this class)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,14 @@ from typing import Any, Mapping, Protocol, Sequence
 import numpy as np
 
 
+def check_token_ids(what: str, ids: np.ndarray, vocab_size: int) -> None:
+    """Raise ValueError naming `what` and the first id outside [0, vocab_size)."""
+    ids = np.asarray(ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = ids[(ids < 0) | (ids >= vocab_size)][0]
+        raise ValueError(f"{what}: token id {int(bad)} is outside the vocabulary [0, {vocab_size})")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How an engine samples. `top_k=0` and `top_p=1.0` mean no truncation.

@@ -42,7 +42,7 @@ from opdjax import quant
 from opdjax.logprobs import shifted_logprobs
 from opdjax.models import decoder, hf
 from opdjax.models.config import ModelConfig
-from opdjax.rollout.base import RolloutBatch, SamplingParams
+from opdjax.rollout.base import RolloutBatch, SamplingParams, check_token_ids
 
 Array = jax.Array
 
@@ -395,12 +395,10 @@ class JaxEngine:
         if self.mesh is None:
             return tuple(jnp.asarray(a) for a in arrays)
         from opdjax.sharding import batch_sharding
-        return tuple(jax.device_put(a, batch_sharding(self.mesh, a.ndim)) for a in arrays)
+        return tuple(jax.device_put(a, batch_sharding(self.mesh, a.shape)) for a in arrays)
 
     def _check_ids(self, what: str, ids: np.ndarray) -> None:
-        if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
-            bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)][0]
-            raise ValueError(f"{what}: token id {int(bad)} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        check_token_ids(what, ids, self.cfg.vocab_size)
 
     # -- generation ----------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> RolloutBatch:

@@ -35,7 +35,7 @@ import numpy as np
 
 from opdjax.bridge import InProcessTransport, ModelSpec, Publisher, WeightReceiver
 from opdjax.models.config import ModelConfig
-from opdjax.rollout.base import RolloutBatch, SamplingParams
+from opdjax.rollout.base import RolloutBatch, SamplingParams, check_token_ids
 from opdjax.rollout.jax_engine import bucket_len
 
 __all__ = ["VllmEngine", "VllmTeacher", "import_vllm", "to_torch"]
@@ -206,10 +206,7 @@ class VllmEngine:
 
     # -- generation ----------------------------------------------------------------------------------------------
     def _check_ids(self, what: str, ids: np.ndarray) -> None:
-        V = self.cfg.vocab_size
-        if ids.size and (ids.min() < 0 or ids.max() >= V):
-            bad = ids[(ids < 0) | (ids >= V)][0]
-            raise ValueError(f"{what}: token id {int(bad)} is outside the vocabulary [0, {V})")
+        check_token_ids(what, ids, self.cfg.vocab_size)
 
     def _vllm_sampling(self, sampling: SamplingParams, seed: int | None):
         vllm = import_vllm()
