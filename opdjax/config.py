@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import yaml
 
 
-from opdjax.models.config import ConfigError  # noqa: E402 - the one ConfigError (train and model configs)
+from opdjax.models.config import ConfigError  # the one ConfigError (train and model configs)
 
 
 def _choice(section: str, key: str, value: Any, choices) -> None:

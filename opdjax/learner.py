@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from opdjax import losses, mismatch
-from opdjax.logprobs import chunked_token_logprobs, token_logprobs  # noqa: F401 (re-exported)
+from opdjax.logprobs import chunked_token_logprobs, token_logprobs
 from opdjax.sharding import batch_sharding, shard_state
 
 Array = jax.Array

@@ -76,7 +76,8 @@ __all__ = [
     "AMAX_EPS", "FORMATS", "GRANULARITIES", "QFormat", "RecipeError",
     "quantize", "dequantize", "qdq",
     "QSpec", "Recipe", "ForwardQuant", "forward_quant", "RECIPES", "FP8_DEFAULT", "get_recipe", "as_recipe",
-    "module_spec", "apply_to_named", "check_effective", "IneffectiveQuantError", "quantize_named", "dequantize_named", "calibrate_kv_scales",
+    "module_spec", "apply_to_named", "quantize_named", "dequantize_named", "calibrate_kv_scales",
+    "check_effective", "IneffectiveQuantError",
     "add_weight_noise",
     "kv_cache_bytes_per_token", "weight_bytes", "kv_capacity_tokens", "llama_weight_shapes",
 ]

@@ -305,12 +305,11 @@ class Decoder(nnx.Module):
         return self.logits(x, quant), new_cache
 
     def logits(self, h_BTE: Array, quant: ForwardQuant | None = None) -> Array:
-        """Logits [B, T, V] in f32 from final-norm hidden states (what __call__ returns after the norm)."""
-        if self.lm_head is None:
-            logits = jnp.dot(h_BTE, self.embed[...].astype(self.dtype).T)
-        else:
-            logits = self.lm_head(h_BTE, quant)
-        return logits.astype(jnp.float32)
+        """Logits [B, T, V] in f32 from final-norm hidden states: h @ `lm_head_kernel()` (the lm_head input through
+        the recipe's activation hook, as every Linear's)."""
+        if quant is not None and self.lm_head is not None:
+            h_BTE = quant.act(self.lm_head.name, h_BTE)
+        return jnp.dot(h_BTE.astype(self.dtype), self.lm_head_kernel()).astype(jnp.float32)
 
 
 def create(cfg: ModelConfig, seed: int = 0, *, dtype=jnp.float32, param_dtype=jnp.float32, attention: str = "auto",
