@@ -48,8 +48,9 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from opdjax import mismatch, quant  # noqa: E402
-from opdjax.learner import Learner  # noqa: E402
+from opdjax.core import mismatch
+from opdjax import quant  # noqa: E402
+from opdjax.learner.learner import Learner  # noqa: E402
 from opdjax.models import decoder  # noqa: E402
 from opdjax.models.config import ModelConfig  # noqa: E402
 from opdjax.rollout.base import SamplingParams  # noqa: E402

@@ -67,9 +67,9 @@ def main(argv=None) -> int:
 
     from flax import nnx
 
-    from opdjax.bridge import (Publisher, SnapshotTransport, SnapshotWatcher, TcpReceiverServer, TcpTransport,
+    from opdjax.sync import (Publisher, SnapshotTransport, SnapshotWatcher, TcpReceiverServer, TcpTransport,
                                default_snapshot_root)
-    from opdjax.bridge.manifest import checksum_threads, crc32_impl
+    from opdjax.sync.manifest import checksum_threads, crc32_impl
     from opdjax.models import ModelConfig, decoder, hf
     from opdjax.models.tiny import make_tiny
     from opdjax.rollout import SamplingParams

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from opdjax import mismatch
-from opdjax.logprobs import token_logprobs
+from opdjax.core import mismatch
+from opdjax.core.logprobs import token_logprobs
 from opdjax.models import decoder
 from opdjax.models.tiny import tiny_config
 

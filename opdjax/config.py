@@ -38,7 +38,7 @@ class TaskConfig:
     options: dict = dataclasses.field(default_factory=lambda: {"digits": 2})
 
     def validate(self):
-        from opdjax import tasks
+        from opdjax.data import tasks
 
         _choice("task", "name", self.name, tasks.TASKS)
 
@@ -67,7 +67,7 @@ class PrepareConfig:
     cache_dir: str = ".opdjax_cache"  # reused across runs; keyed by every field above and the task
 
     def validate(self):
-        from opdjax import tasks
+        from opdjax.data import tasks
         from opdjax.models.tiny import SIZES
 
         _choice("prepare", "family", self.family, {"llama", "qwen2", "qwen3"})
@@ -167,7 +167,7 @@ class LossConfig:
     correction_options: dict = dataclasses.field(default_factory=dict)  # cap, low, high, threshold, normalize
 
     def validate(self):
-        from opdjax import losses, mismatch
+        from opdjax.core import losses, mismatch
 
         _choice("loss", "name", self.name, losses.LOSSES)
         params = inspect.signature(losses.get_loss(self.name)).parameters

@@ -10,8 +10,9 @@ import pathlib
 
 import pytest
 
-from opdjax import admission, quant
-from opdjax.admission import AdmissionError, Budget
+from opdjax.budget import admission
+from opdjax import quant
+from opdjax.budget.admission import AdmissionError, Budget
 from opdjax.models.tiny import tiny_config
 
 
@@ -278,7 +279,7 @@ def test_cache_amax_matches_transformers_kv_cache(pair):
     import transformers
 
     from opdjax.models import ModelConfig, hf
-    from opdjax.probe import cache_amax
+    from opdjax.budget.probe import cache_amax
 
     mcfg = ModelConfig.from_dir(pair[0])
     graphdef, params = hf.load_state(pair[0], mcfg)
@@ -294,7 +295,7 @@ def test_cache_amax_matches_transformers_kv_cache(pair):
 def test_calibrated_kv_scales_cut_the_fp8_kv_mismatch(pair):
     """Calibrated per-layer scales give a lower FP8-KV mismatch than vLLM's fixed scale 1.0 on random tiny models
     (their K/V are small, so scale 1.0 puts them among e4m3's subnormals)."""
-    from opdjax.probe import kv_amax, probe
+    from opdjax.budget.probe import kv_amax, probe
 
     glob = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
             "rollout.max_new_tokens=4", "pipeline.progress=false", "pipeline.tensorboard=false"]

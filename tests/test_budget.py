@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from opdjax import budget
+from opdjax.budget import study as budget
 from opdjax.config import ConfigError
 
 
@@ -131,7 +131,7 @@ def test_small_study_writes_all_outputs_and_resume_skips_finished_runs(pair, tmp
 
     # Resume: nothing reruns when every result is saved ...
     calls = []
-    from opdjax import pipeline
+    from opdjax.pipeline import loop as pipeline
 
     real_train = pipeline.train
 
@@ -150,7 +150,8 @@ def test_small_study_writes_all_outputs_and_resume_skips_finished_runs(pair, tmp
 
 def _fake_runs(monkeypatch):
     """pipeline.train / probe stand-ins: final RKL = 1 + 100·sigma² (+ 0.3 for RL), M = sigma², k3 logged."""
-    from opdjax import pipeline, probe
+    from opdjax.pipeline import loop as pipeline
+    from opdjax.budget import probe
 
     def fake_train(cfg, log=print):
         out = pathlib.Path(cfg.pipeline.out_dir)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from opdjax.cli import main
+from opdjax.cli.main import main
 from opdjax.config import ConfigError, TrainConfig, dump_yaml, load
 
 

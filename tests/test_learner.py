@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from opdjax.learner import Learner
-from opdjax.logprobs import token_logprobs
+from opdjax.learner.learner import Learner
+from opdjax.core.logprobs import token_logprobs
 from opdjax.models import decoder
 from opdjax.models.config import ModelConfig
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opdjax.logprobs import chunked_token_logprobs, logprob_chunk_len, shifted_logprobs, token_logprobs
+from opdjax.core.logprobs import chunked_token_logprobs, logprob_chunk_len, shifted_logprobs, token_logprobs
 
 
 def _tokens(B=3, L=13, V=96, seed=0):

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opdjax import losses
-from opdjax.losses import LOSSES, NEEDS, LossInputs, get_loss, loss_needs
-from opdjax.mismatch import Correction
+from opdjax.core import losses
+from opdjax.core.losses import LOSSES, NEEDS, LossInputs, get_loss, loss_needs
+from opdjax.core.mismatch import Correction
 
 # ----------------------------------------------------------------------------------------------------- numpy refs
 

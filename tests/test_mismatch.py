@@ -12,7 +12,7 @@ from hypothesis.extra import numpy as hnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from opdjax import mismatch as mm
+from opdjax.core import mismatch as mm
 
 B, T, V = 4, 6, 8
 PAD_B, PAD_T = 2, 3

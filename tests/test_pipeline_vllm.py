@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from opdjax import pipeline
+from opdjax.pipeline import loop as pipeline
 from opdjax.config import TrainConfig, load
 from opdjax.models.tiny import load_tokenizer, make_tiny
 
@@ -36,7 +36,7 @@ def test_opd_with_vllm_rollouts_publishes_every_step(vllm_module, tmp_path, mode
 def test_admit_probes_real_vllm_candidates(vllm_module, pair):
     """`opdjax admit` with VllmEngine candidates: f32 vLLM is admitted at a tiny budget; the recipe fp8_kv_only
     (translated to kv_cache_dtype=fp8) measurably raises M."""
-    from opdjax import admission
+    from opdjax.budget import admission
 
     glob = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
             "rollout.max_new_tokens=4", "pipeline.progress=false", "pipeline.tensorboard=false",

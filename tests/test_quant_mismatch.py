@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from opdjax import mismatch, quant
-from opdjax.logprobs import token_logprobs
+from opdjax.core import mismatch
+from opdjax import quant
+from opdjax.core.logprobs import token_logprobs
 from opdjax.models import decoder, hf
 from opdjax.models.tiny import tiny_config
 from opdjax.rollout import SamplingParams

@@ -8,7 +8,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from opdjax.models import ModelConfig, create, forward, load_state, save_model
-from opdjax.sharding import batch_sharding, logical_spec, make_mesh, param_shardings, shard_state
+from opdjax.models.sharding import batch_sharding, logical_spec, make_mesh, param_shardings, shard_state
 
 CFG = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=32)

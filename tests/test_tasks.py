@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from opdjax import tasks
-from opdjax.tasks import Example, JsonlTask, corpus, get_task
+from opdjax.data import tasks
+from opdjax.data.tasks import Example, JsonlTask, corpus, get_task
 
 BUILTINS = ["addition", "sort", "copy", "reverse"]
 

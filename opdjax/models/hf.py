@@ -158,7 +158,7 @@ def load_state(path: str | pathlib.Path, cfg: ModelConfig | None = None, *, para
     if mesh is None:
         state = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, dtype=np_dtype)), state)
     else:
-        from opdjax.sharding import param_shardings
+        from opdjax.models.sharding import param_shardings
         shardings = param_shardings(template, mesh)
         state = jax.tree.map(
             lambda v, s: v.replace(value=_place(v.get_value(), s, np_dtype)), state, shardings,

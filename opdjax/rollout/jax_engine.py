@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from opdjax import quant
-from opdjax.logprobs import shifted_logprobs
+from opdjax.core.logprobs import shifted_logprobs
 from opdjax.models import decoder, hf
 from opdjax.models.config import ModelConfig
 from opdjax.rollout.base import RolloutBatch, SamplingParams, check_token_ids
@@ -368,7 +368,7 @@ class JaxEngine:
             named = quant.apply_to_named(self.recipe, hf.named_params(self.cfg, state, hf_layout=False))
             state = hf.state_from_named(self.cfg, named, self._template, hf_layout=False, source="quantized weights")
         if self.mesh is not None:
-            from opdjax.sharding import shard_state
+            from opdjax.models.sharding import shard_state
             state = shard_state(state, self.mesh)
         return jax.block_until_ready(state)
 
@@ -394,7 +394,7 @@ class JaxEngine:
     def _put(self, *arrays: np.ndarray):
         if self.mesh is None:
             return tuple(jnp.asarray(a) for a in arrays)
-        from opdjax.sharding import batch_sharding
+        from opdjax.models.sharding import batch_sharding
         return tuple(jax.device_put(a, batch_sharding(self.mesh, a.shape)) for a in arrays)
 
     def _check_ids(self, what: str, ids: np.ndarray) -> None:

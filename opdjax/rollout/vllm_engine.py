@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from opdjax.bridge import InProcessTransport, ModelSpec, Publisher, WeightReceiver
+from opdjax.sync import InProcessTransport, ModelSpec, Publisher, WeightReceiver
 from opdjax.models.config import ModelConfig
 from opdjax.rollout.base import RolloutBatch, SamplingParams, check_token_ids
 from opdjax.rollout.jax_engine import bucket_len
@@ -347,7 +347,7 @@ class VllmTeacher:
             raise ValueError("VllmTeacher cannot provide full teacher logits (needs 'teacher_logits'); use "
                              "teacher.engine=jax or a loss that needs only teacher_logp / teacher_topk")
         if np.max(np.where(valid_BL, tokens_BL, 0), initial=0) >= self.cfg.vocab_size:
-            from opdjax.teacher import VocabMismatchError
+            from opdjax.teacher.jax_teacher import VocabMismatchError
 
             raise VocabMismatchError(f"token id {int(np.max(tokens_BL))} is outside the teacher's vocabulary "
                                      f"(vocab_size={self.cfg.vocab_size})")

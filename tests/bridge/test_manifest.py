@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from opdjax import quant
-from opdjax.bridge import (ArrayTarget, BridgeError, InProcessTransport, Manifest, ModelSpec, Publisher,
+from opdjax.sync import (ArrayTarget, BridgeError, InProcessTransport, Manifest, ModelSpec, Publisher,
                            WeightReceiver, hf_stream, prepare, validate)
 from opdjax.models import decoder, hf
 from opdjax.models.tiny import tiny_config
@@ -147,7 +147,7 @@ def test_validate_accepts_a_good_manifest_and_spec_lists_every_tensor(cfg, param
 def test_crc32_helpers_equal_zlib_for_any_split_and_thread_count(monkeypatch):
     import zlib
 
-    from opdjax.bridge import manifest as M
+    from opdjax.sync import manifest as M
 
     rng = np.random.default_rng(0)
     for n in (0, 1, 100, (16 << 10) - 1, 16 << 10, (1 << 20) + 3):

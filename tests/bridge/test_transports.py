@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from opdjax.bridge import (ArrayTarget, BridgeError, ModelSpec, Publisher, SnapshotTransport, SnapshotWatcher,
+from opdjax.sync import (ArrayTarget, BridgeError, ModelSpec, Publisher, SnapshotTransport, SnapshotWatcher,
                            TcpReceiverServer, TcpTransport, WeightReceiver, prepare)
-from opdjax.bridge import transports as T
+from opdjax.sync import transports as T
 from opdjax.models import decoder, hf
 from opdjax.models.tiny import tiny_config
 

@@ -13,9 +13,9 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from opdjax import quant  # noqa: E402
-from opdjax.bridge import (BridgeError, Publisher, SnapshotTransport, SnapshotWatcher, TcpReceiverServer,  # noqa: E402
+from opdjax.sync import (BridgeError, Publisher, SnapshotTransport, SnapshotWatcher, TcpReceiverServer,  # noqa: E402
                            TcpTransport, prepare)
-from opdjax.learner import Learner  # noqa: E402
+from opdjax.learner.learner import Learner  # noqa: E402
 from opdjax.models import ModelConfig, decoder, hf  # noqa: E402
 from opdjax.models.tiny import make_tiny  # noqa: E402
 from opdjax.rollout import SamplingParams  # noqa: E402

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from opdjax.cli import main
+from opdjax.cli.main import main
 from opdjax.models import load_model
 from opdjax.models.tiny import SPECIAL_TOKENS, load_tokenizer, make_tiny
 

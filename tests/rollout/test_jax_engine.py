@@ -369,7 +369,7 @@ def test_quantized_decode_matches_quantized_score(model):
 
 
 def test_mesh_sharded_engine_matches_single_device(model, engine, cpu_devices):
-    from opdjax.sharding import make_mesh
+    from opdjax.models.sharding import make_mesh
     cfg, g, s, *_ = model
     sharded = JaxEngine(cfg, s, graphdef=g, mesh=make_mesh((2, -1, 1)))
     batch = sharded.generate(PROMPTS[:3], SAMPLINGS["t1"], seed=1)

@@ -13,12 +13,12 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from opdjax.bridge import BridgeError  # noqa: E402
-from opdjax.learner import Learner  # noqa: E402
+from opdjax.sync import BridgeError  # noqa: E402
+from opdjax.learner.learner import Learner  # noqa: E402
 from opdjax.models import ModelConfig, decoder, hf  # noqa: E402
 from opdjax.models.tiny import make_tiny  # noqa: E402
 from opdjax.rollout import SamplingParams  # noqa: E402
-from opdjax.teacher import JaxTeacher  # noqa: E402
+from opdjax.teacher.jax_teacher import JaxTeacher  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -187,7 +187,7 @@ def test_generate_rejects_bad_input(engine):
 
 
 def test_measure_probe_reports_near_zero_mismatch_for_f32_vllm(engine, cfg, learner):
-    from opdjax import measure
+    from opdjax.budget import measure
 
     p = _params(cfg, 21)
     engine.update_weights(hf.named_params(cfg, p), 11)
@@ -205,7 +205,7 @@ def test_recipe_translates_to_settings_vllm_accepts(model_dir, cfg, vllm_module)
     with the kept layers in its ignore list; building the engine on CPU is refused with a clear error."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from opdjax import admission
+    from opdjax.budget import admission
     from opdjax.rollout.vllm_engine import VllmEngine
 
     layer0 = admission.units(cfg.num_layers, "layer")[0]

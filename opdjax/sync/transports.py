@@ -61,8 +61,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from opdjax.bridge.manifest import BridgeError, Manifest, crc32, crc32_combine
-from opdjax.bridge.receiver import WeightReceiver, payload_views
+from opdjax.sync.manifest import BridgeError, Manifest, crc32, crc32_combine
+from opdjax.sync.receiver import WeightReceiver, payload_views
 
 log = logging.getLogger("opdjax.bridge")
 

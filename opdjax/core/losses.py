@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opdjax.mismatch import Correction, apply_correction, masked_mean
+from opdjax.core.mismatch import Correction, apply_correction, masked_mean
 
 Array = jax.Array
 Metrics = dict[str, Array]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from opdjax.logprobs import shifted_logprobs
+from opdjax.core.logprobs import shifted_logprobs
 from opdjax.models import ModelConfig, decoder, hf
 
 
@@ -60,7 +60,7 @@ class JaxTeacher:
         self.temperature = float(temperature)
         self.graphdef = graphdef
         if mesh is not None:
-            from opdjax.sharding import shard_state
+            from opdjax.models.sharding import shard_state
 
             params = shard_state(params, mesh)
         self.params = params

@@ -33,7 +33,8 @@ def _convert(args) -> int:
 
 
 def _train(args) -> int:
-    from opdjax import config, pipeline
+    from opdjax import config
+    from opdjax.pipeline import loop as pipeline
 
     cfg = config.load(config.TrainConfig, args.config, args.overrides)
     if args.print_config:
@@ -45,7 +46,7 @@ def _train(args) -> int:
 
 
 def _measure(args) -> int:
-    from opdjax import measure
+    from opdjax.budget import measure
 
     measure.run(args.student, engine=args.engine, options=measure.parse_options(args.options),
                 prompts_file=args.prompts, task=args.task, n=args.n, max_new_tokens=args.max_new_tokens,
@@ -96,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-shard-mb", type=float, default=None)
     c.set_defaults(func=_convert)
 
-    from opdjax.admission import add_admission_commands
-    from opdjax.budget import add_study_command
+    from opdjax.budget.admission import add_admission_commands
+    from opdjax.budget.study import add_study_command
 
     add_study_command(sub)
     add_admission_commands(sub)
@@ -121,12 +122,12 @@ def _enable_compilation_cache() -> None:
 def user_errors() -> tuple[type[Exception], ...]:
     """The exceptions that report bad input (a config, a checkpoint, a vocabulary, a recipe, a budget, a weight
     manifest): the CLI prints their message, not a traceback, and exits 2."""
-    from opdjax.admission import AdmissionError
-    from opdjax.bridge.manifest import BridgeError
+    from opdjax.budget.admission import AdmissionError
+    from opdjax.sync.manifest import BridgeError
     from opdjax.config import ConfigError
     from opdjax.models.safetensors_io import CheckpointError
     from opdjax.quant import RecipeError
-    from opdjax.teacher import VocabMismatchError
+    from opdjax.teacher.jax_teacher import VocabMismatchError
 
     return ConfigError, CheckpointError, VocabMismatchError, RecipeError, AdmissionError, BridgeError
 

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from opdjax.bridge.manifest import BridgeError, Manifest, ModelSpec, checksum_many, np_dtype, validate
+from opdjax.sync.manifest import BridgeError, Manifest, ModelSpec, checksum_many, np_dtype, validate
 
 log = logging.getLogger("opdjax.bridge")
 

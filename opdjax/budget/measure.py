@@ -53,8 +53,8 @@ def parse_options(items: Sequence[str]) -> dict[str, Any]:
 def load_prompts(tokenizer, *, prompts_file: str | None = None, task: str | None = None, n: int = 64,
                  seed: int = 0, task_options: Mapping[str, Any] | None = None) -> list[list[int]]:
     """Token ids of n prompts: the first n rows of a JSONL file ("prompt" key), or n held-out task prompts."""
-    from opdjax import tasks
-    from opdjax.data import encode_prompts
+    from opdjax.data import tasks
+    from opdjax.data.prompts import encode_prompts
 
     if (prompts_file is None) == (task is None):
         raise ValueError("give exactly one of --prompts FILE.jsonl or --task NAME")
@@ -90,7 +90,7 @@ def make_engine(kind: str, student: str | pathlib.Path, options: Mapping[str, An
 def measure(engine, learner, params, prompts: Sequence[Sequence[int]], sampling, *, seed: int = 0,
             batch_size: int = 32) -> dict[str, Any]:
     """Sample with `engine`, rescore with `learner` (float32 JAX forward) and return the mismatch report."""
-    from opdjax import mismatch
+    from opdjax.core import mismatch
 
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0
     student, rollout, mask = [], [], []
@@ -135,7 +135,7 @@ def run(student: str, *, engine: str = "jax", options: Mapping[str, Any] | None 
     """The whole probe: load student + tokenizer, build the engine, measure, print the table, save the report."""
     from flax import nnx  # noqa: F401  (nnx state types)
 
-    from opdjax.learner import Learner
+    from opdjax.learner.learner import Learner
     from opdjax.models import ModelConfig, hf
     from opdjax.models.tiny import load_tokenizer
     from opdjax.rollout import SamplingParams

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from opdjax import quant
-from opdjax.bridge.manifest import Manifest, build_manifest
+from opdjax.sync.manifest import Manifest, build_manifest
 from opdjax.models import hf
 from opdjax.models.config import ModelConfig
 
@@ -66,7 +66,7 @@ def hf_stream(cfg: ModelConfig, params: nnx.State | Mapping[str, Any], *, dtype:
         nm = hf.name_map(cfg)
         missing = [n for n in nm if n not in params]
         if missing:
-            from opdjax.bridge.manifest import BridgeError
+            from opdjax.sync.manifest import BridgeError
 
             raise BridgeError(f"publish: missing tensor(s) {missing[:5]} for a {cfg.model_type} model with "
                               f"{cfg.num_layers} layers")

@@ -22,15 +22,16 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from opdjax import mismatch, tasks
+from opdjax.core import mismatch
+from opdjax.data import tasks
 from opdjax.config import ConfigError, TrainConfig, to_dict
-from opdjax.data import PromptStream, encode_prompts
-from opdjax.learner import Learner, latest_step, restore_checkpoint, save_checkpoint
+from opdjax.data.prompts import PromptStream, encode_prompts
+from opdjax.learner.learner import Learner, latest_step, restore_checkpoint, save_checkpoint
 from opdjax.models import ModelConfig, hf
 from opdjax.models.tiny import load_tokenizer
 from opdjax.rollout import RolloutBatch, SamplingParams
-from opdjax.sharding import make_mesh
-from opdjax.teacher import JaxTeacher, check_same_vocab
+from opdjax.models.sharding import make_mesh
+from opdjax.teacher.jax_teacher import JaxTeacher, check_same_vocab
 
 
 # ----------------------------------------------------------------------------------------------------- building
@@ -60,7 +61,7 @@ def resolve_models(cfg: TrainConfig, log=print) -> tuple[str, str]:
         if cfg.task.name == "jsonl":
             raise ValueError("student/teacher 'builtin' are trained on a built-in task; with prompts=FILE.jsonl "
                              "pass student=DIR and teacher=DIR")
-        from opdjax.prepare import prepare_builtin
+        from opdjax.data.prepare import prepare_builtin
 
         meta = prepare_builtin(cfg.task, cfg.prepare, log=log)
         student = meta["student"] if student == "builtin" else student

@@ -8,10 +8,10 @@ or nothing. Transports: in-process (DLPack, no copy), atomic file/shared-memory 
 token. See each module's docstring.
 """
 
-from opdjax.bridge.manifest import BridgeError, Manifest, ModelSpec, TensorEntry, build_manifest, validate
-from opdjax.bridge.receiver import ArrayTarget, WeightReceiver, payload_views
-from opdjax.bridge.stream import Publisher, hf_stream, prepare
-from opdjax.bridge.transports import (InProcessTransport, SnapshotTransport, SnapshotWatcher, TcpReceiverServer,
+from opdjax.sync.manifest import BridgeError, Manifest, ModelSpec, TensorEntry, build_manifest, validate
+from opdjax.sync.receiver import ArrayTarget, WeightReceiver, payload_views
+from opdjax.sync.publisher import Publisher, hf_stream, prepare
+from opdjax.sync.transports import (InProcessTransport, SnapshotTransport, SnapshotWatcher, TcpReceiverServer,
                                       TcpTransport, default_snapshot_root, snapshot_payload)
 
 __all__ = ["ArrayTarget", "BridgeError", "InProcessTransport", "Manifest", "ModelSpec", "Publisher",

@@ -16,8 +16,8 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from opdjax import tasks
-from opdjax.data import PromptStream, sft_batch
+from opdjax.data import tasks
+from opdjax.data.prompts import PromptStream, sft_batch
 from opdjax.models import decoder, hf
 from opdjax.models.tiny import load_tokenizer, make_tiny, train_tokenizer
 
@@ -40,7 +40,7 @@ def sft_train(path: pathlib.Path, tokenizer, task, steps: int, *, batch_size: in
               log=print) -> float:
     """Supervised training of the checkpoint at `path` on the task's train split; returns held-out accuracy."""
     from opdjax.config import OptimConfig
-    from opdjax.learner import Learner
+    from opdjax.learner.learner import Learner
 
     cfg = hf.ModelConfig.from_dir(path)
     graphdef, params = hf.load_state(path)

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from opdjax.tasks import Example, Task
+from opdjax.data.tasks import Example, Task
 
 
 def encode_prompts(tokenizer, examples: Sequence[Example]) -> list[list[int]]:

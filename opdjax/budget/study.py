@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import yaml
 
-from opdjax.admission import AdmissionError, load_budget, setup_fingerprint
+from opdjax.budget.admission import AdmissionError, load_budget, setup_fingerprint
 from opdjax.config import ConfigError, TrainConfig, _deep_update, from_dict, load, to_dict
 
 Log = Callable[[str], None]
@@ -114,7 +114,7 @@ class ShiftConfig:
             raise ConfigError(f"shift.prompts must be > 0, got {self.prompts}")
         if not self.correction_noise > 0:
             raise ConfigError(f"shift.correction_noise must be > 0, got {self.correction_noise}")
-        from opdjax import mismatch
+        from opdjax.core import mismatch
 
         for c in self.corrections:
             if c not in mismatch.CORRECTIONS or c == "none":
@@ -142,7 +142,7 @@ class StudyConfig:
 
     def validate(self) -> "StudyConfig":
         from opdjax import quant
-        from opdjax.probe import per_sequence_terms
+        from opdjax.budget.probe import per_sequence_terms
 
         try:
             per_sequence_terms(self.metric, np.zeros((1, 1)), np.zeros((1, 1)), np.ones((1, 1)))
@@ -334,8 +334,8 @@ def run_one(study: StudyConfig, point: Point, seed: int, log: Log = print) -> di
 
     A record whose `train_config` equals the one this study would use now is reused without running anything.
     """
-    from opdjax import pipeline
-    from opdjax.probe import probe
+    from opdjax.pipeline import loop as pipeline
+    from opdjax.budget.probe import probe
 
     root = pathlib.Path(study.out_dir)
     result_path = root / "results" / point.id / f"seed{seed}.json"
@@ -516,8 +516,9 @@ def prefix_shift(student_path: str | pathlib.Path, cfg: TrainConfig, sigmas: Seq
     the sequence-level KL(mu‖pi), pi = clean), token_k3, accuracy_clean / accuracy_perturbed (greedy is not
     used: these are sampled answers at the run's temperature).
     """
-    from opdjax import pipeline, tasks
-    from opdjax.data import encode_prompts
+    from opdjax.pipeline import loop as pipeline
+    from opdjax.data import tasks
+    from opdjax.data.prompts import encode_prompts
     from opdjax.models import ModelConfig, hf
     from opdjax.models.tiny import load_tokenizer
     from opdjax.rollout.jax_engine import JaxEngine
@@ -696,7 +697,7 @@ def phenomena(study: StudyConfig, sweep: list[Point], extra: list[Point], record
         base_recs = records["baseline"]
         first = base_recs[0]
         cfg = study.train_config_for({}, study.seeds[0])
-        from opdjax.pipeline import resolve_models
+        from opdjax.pipeline.loop import resolve_models
 
         student0, _ = resolve_models(cfg, log=lambda s: None)
         trained = pathlib.Path(first["run_dir"]) / "student_final"

@@ -18,9 +18,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from opdjax import losses, mismatch
-from opdjax.logprobs import chunked_token_logprobs, token_logprobs
-from opdjax.sharding import batch_sharding, shard_state
+from opdjax.core import losses, mismatch
+from opdjax.core.logprobs import chunked_token_logprobs, token_logprobs
+from opdjax.models.sharding import batch_sharding, shard_state
 
 Array = jax.Array
 

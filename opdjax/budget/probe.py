@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opdjax import mismatch
+from opdjax.core import mismatch
 from opdjax.config import TrainConfig
-from opdjax.data import PromptStream
+from opdjax.data.prompts import PromptStream
 
 
 @dataclasses.dataclass
@@ -71,7 +71,7 @@ def bootstrap_ci(sums_B: np.ndarray, counts_B: np.ndarray, *, n: int = 1000, see
 
 def probe(cfg: TrainConfig, *, batches: int = 4, metric: str = "k3", seed: int = 0, log=print) -> ProbeResult:
     """Measure M for the engine configuration in `cfg.rollout` on the configured student (no training)."""
-    from opdjax import pipeline
+    from opdjax.pipeline import loop as pipeline
 
     t0 = time.time()
     run = pipeline.build(cfg, log=log, with_teacher=bool(cfg.rollout.stale_versions))
@@ -138,7 +138,7 @@ def kv_amax(cfg: TrainConfig, *, batches: int = 2, seed: int = 0, log=print) -> 
     prompts (a stream disjoint from the probe's); `cache_amax` of each whole sequence, max over batches. Feed the
     result to `quant.calibrate_kv_scales` for per-layer FP8 KV scales (scale = amax / fmt_max).
     """
-    from opdjax import pipeline
+    from opdjax.pipeline import loop as pipeline
 
     clean = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, recipe="none", weight_noise=0.0,
                                                                   stale_versions=0))

@@ -135,7 +135,7 @@ def setup_fingerprint(cfg, log=print) -> dict[str, Any]:
     import jaxlib
 
     from opdjax.config import to_dict
-    from opdjax.pipeline import resolve_models
+    from opdjax.pipeline.loop import resolve_models
 
     student, teacher = resolve_models(cfg, log=log)
     return {"student_sha256": _weights_sha256(student), "teacher_sha256": _weights_sha256(teacher),
@@ -256,7 +256,7 @@ ProbeFn = Callable[..., Any]  # probe(cfg, *, batches, metric, seed, log) -> Pro
 
 
 def _default_probe() -> ProbeFn:
-    from opdjax.probe import probe
+    from opdjax.budget.probe import probe
 
     return probe
 
@@ -431,7 +431,7 @@ def _probe_recipe(cfg, recipe: quant.Recipe, probe_fn: ProbeFn, *, batches: int,
 
 def _student_config(cfg):
     from opdjax.models import ModelConfig
-    from opdjax.pipeline import resolve_models
+    from opdjax.pipeline.loop import resolve_models
 
     student, _ = resolve_models(cfg, log=lambda s: None)
     return ModelConfig.from_dir(student)
@@ -641,7 +641,7 @@ def recipe_arg(spec: str | None) -> quant.Recipe | None:
 
 def _usage_errors():
     from opdjax.config import ConfigError
-    from opdjax.teacher import VocabMismatchError
+    from opdjax.teacher.jax_teacher import VocabMismatchError
 
     return (AdmissionError, ConfigError, quant.RecipeError, VocabMismatchError)
 
@@ -682,7 +682,7 @@ def _cmd_admit(args) -> int:
 
 def calibrate_kv(cfg, *, batches: int = 2, seed: int = 0, log=print) -> tuple:
     """Per-layer (k_scale, v_scale) of an e4m3 KV cache from the student's K/V amax on its own samples."""
-    from opdjax.probe import kv_amax
+    from opdjax.budget.probe import kv_amax
 
     return quant.calibrate_kv_scales(kv_amax(cfg, batches=batches, seed=seed, log=lambda m: None))
 

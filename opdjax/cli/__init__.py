@@ -1,0 +1,3 @@
+from opdjax.cli.main import main
+
+__all__ = ["main"]
