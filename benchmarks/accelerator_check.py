@@ -48,8 +48,8 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from opdjax.core import mismatch
 from opdjax import quant  # noqa: E402
+from opdjax.core import mismatch
 from opdjax.learner.learner import Learner  # noqa: E402
 from opdjax.models import decoder  # noqa: E402
 from opdjax.models.config import ModelConfig  # noqa: E402
@@ -192,9 +192,9 @@ def _rkl_batch(wl: Workload, rng: np.random.Generator) -> dict[str, np.ndarray]:
     tokens = rng.integers(0, V, (B, L)).astype(np.int32)
     comp = np.zeros((B, L), bool)
     comp[:, prompt:] = True
-    return {"tokens_BL": tokens, "valid_BL": np.ones((B, L), bool), "completion_mask_BL": comp,
-            "rollout_logp_BL": np.where(comp, -rng.random((B, L)) * 5, 0).astype(np.float32),
-            "teacher_logp_BL": np.where(comp, -rng.random((B, L)) * 5, 0).astype(np.float32)}
+    return {"tokens_BT": tokens, "valid_BT": np.ones((B, L), bool), "completion_mask_BT": comp,
+            "rollout_logp_BT": np.where(comp, -rng.random((B, L)) * 5, 0).astype(np.float32),
+            "teacher_logp_BT": np.where(comp, -rng.random((B, L)) * 5, 0).astype(np.float32)}
 
 
 def _flops(cfg: ModelConfig, tokens: int, L: int) -> float:
@@ -241,7 +241,7 @@ def _torch_learner(wl: Workload, batch) -> dict | None:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev == "cuda")
     tb = {k: torch.as_tensor(v, device=dev) for k, v in batch.items()}
-    tokens, mask = tb["tokens_BL"].long(), tb["completion_mask_BL"]
+    tokens, mask = tb["tokens_BT"].long(), tb["completion_mask_BT"]
     amp_dtype = torch.bfloat16
 
     def step():
@@ -249,7 +249,7 @@ def _torch_learner(wl: Workload, batch) -> dict | None:
             logits = model(tokens).logits
         lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
         m = mask[:, 1:].float()
-        adv = (tb["teacher_logp_BL"][:, 1:] - lp).detach()
+        adv = (tb["teacher_logp_BT"][:, 1:] - lp).detach()
         loss = -(adv * lp * m).sum() / m.sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -371,7 +371,7 @@ def section_engine(rep: Report, wl: Workload) -> dict:
     compile_s = time.perf_counter() - t
     times = _time(lambda: eng.generate(prompts, sp, seed=1), 3)
     dt = statistics.median(times)
-    n_tok = int(batch.completion_mask_BL.sum())
+    n_tok = int(batch.completion_mask_BT.sum())
     step_ms = dt / wl.gen_new * 1e3
     embed = cfg.vocab_size * cfg.hidden_size
     weight_bytes = 2 * (cfg.num_params() - embed)  # every weight once per step but the embedding table (a gather)
@@ -490,13 +490,13 @@ def _torch_logp(torch, model, tokens: np.ndarray, dev: str) -> np.ndarray:
 def section_fp8(rep: Report, wl: Workload, eng_state: dict):
     cfg, params, batch = wl.cfg, eng_state["params"], eng_state["batch"]
     rows = slice(0, wl.score_rows)
-    tokens, valid, mask = batch.tokens_BL[rows], batch.valid_BL[rows], batch.completion_mask_BL[rows]
+    tokens, valid, mask = batch.tokens_BT[rows], batch.valid_BT[rows], batch.completion_mask_BT[rows]
     # XLA attention on both sides: the comparison is about the linear layers, not the attention kernel.
     gd = nnx.graphdef(decoder.abstract(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention="xla"))
-    ref = JaxEngine(cfg, params, dtype=jnp.bfloat16, graphdef=gd).score(tokens, valid)["logp_BL"]
+    ref = JaxEngine(cfg, params, dtype=jnp.bfloat16, graphdef=gd).score(tokens, valid)["logp_BT"]
     sim = {}
     for name in ("fp8_w8a8", "fp8_weights_only"):
-        lp = JaxEngine(cfg, params, dtype=jnp.bfloat16, recipe=name, graphdef=gd).score(tokens, valid)["logp_BL"]
+        lp = JaxEngine(cfg, params, dtype=jnp.bfloat16, recipe=name, graphdef=gd).score(tokens, valid)["logp_BT"]
         sim[name] = float(mismatch.metrics(jnp.asarray(ref), jnp.asarray(lp), jnp.asarray(mask))["k3"])
     real, how = {}, "torch unavailable"
     torch = _torch()

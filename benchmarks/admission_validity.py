@@ -33,7 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-from opdjax.budget import admission, study as budget_mod  # noqa: E402
+from opdjax.budget import admission  # noqa: E402
+from opdjax.budget import study as budget_mod
 
 # None of these is a point of configs/study_cpu.yaml (weight noise 0.01/0.03/0.05, staleness 2, recipes
 # fp8_weights_only, fp8_w8a8, fp8_w8a8_kv, e5m2_w8a8): every other shipped FP8/INT8 recipe (static per-tensor

@@ -67,13 +67,19 @@ def main(argv=None) -> int:
 
     from flax import nnx
 
-    from opdjax.sync import (Publisher, SnapshotTransport, SnapshotWatcher, TcpReceiverServer, TcpTransport,
-                               default_snapshot_root)
-    from opdjax.sync.manifest import checksum_threads, crc32_impl
     from opdjax.models import ModelConfig, decoder, hf
     from opdjax.models.tiny import make_tiny
     from opdjax.rollout import SamplingParams
     from opdjax.rollout.vllm_engine import VllmEngine
+    from opdjax.sync import (
+        Publisher,
+        SnapshotTransport,
+        SnapshotWatcher,
+        TcpReceiverServer,
+        TcpTransport,
+        default_snapshot_root,
+    )
+    from opdjax.sync.manifest import checksum_threads, crc32_impl
 
     load0 = os.getloadavg()[0]
     bw_before = memcpy_gbps()

@@ -43,7 +43,7 @@ def timed(engine, prompts, sampling, seed) -> tuple[float, int]:
     t = time.perf_counter()
     batch = engine.generate(prompts, sampling, seed=seed)
     dt = time.perf_counter() - t
-    return dt, int(batch.completion_mask_BL.sum())
+    return dt, int(batch.completion_mask_BT.sum())
 
 
 def worker(engine: str, model_dir: pathlib.Path, a) -> None:

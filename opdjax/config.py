@@ -18,8 +18,14 @@ from typing import Any, Mapping
 
 import yaml
 
-
-from opdjax.models.config import ConfigError  # the one ConfigError (train and model configs)
+from opdjax import quant
+from opdjax.core import corrections, losses
+from opdjax.core.errors import ConfigError  # the one ConfigError (train and model configs)
+from opdjax.data import tasks
+from opdjax.models.config import FAMILIES
+from opdjax.models.decoder import ATTENTION_IMPLS, REMAT_POLICIES
+from opdjax.models.tiny import SIZES
+from opdjax.quant import Recipe
 
 
 def _choice(section: str, key: str, value: Any, choices) -> None:
@@ -38,8 +44,6 @@ class TaskConfig:
     options: dict = dataclasses.field(default_factory=lambda: {"digits": 2})
 
     def validate(self):
-        from opdjax.data import tasks
-
         _choice("task", "name", self.name, tasks.TASKS)
 
 
@@ -67,10 +71,7 @@ class PrepareConfig:
     cache_dir: str = ".opdjax_cache"  # reused across runs; keyed by every field above and the task
 
     def validate(self):
-        from opdjax.data import tasks
-        from opdjax.models.tiny import SIZES
-
-        _choice("prepare", "family", self.family, {"llama", "qwen2", "qwen3"})
+        _choice("prepare", "family", self.family, FAMILIES)
         _choice("prepare", "teacher_size", self.teacher_size, SIZES)
         _choice("prepare", "student_size", self.student_size, SIZES)
         _choice("prepare", "student_init", self.student_init, {"teacher", "scratch"})
@@ -89,7 +90,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    recipe: str = "none"             # simulated quantization for the JAX engine: a quant.RECIPES name or a recipe file
+    recipe: str | Recipe = "none"    # simulated quantization: a quant.RECIPES preset, a recipe file, or a quant.Recipe
     weight_noise: float = 0.0        # relative Gaussian weight noise on the engine's copy
     noise_mode: str = "fixed"        # fixed (one draw, a persistent offset) | per_version (redrawn every update)
     stale_versions: int = 0          # JAX engine serves weights this many versions behind
@@ -109,9 +110,10 @@ class RolloutConfig:
         _positive("rollout", "stale_versions", self.stale_versions, zero_ok=True)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p!r}")
-        from opdjax import quant
 
-        if self.recipe.endswith((".json", ".yaml", ".yml")):
+        if isinstance(self.recipe, Recipe):
+            return
+        if quant.is_recipe_file(self.recipe):
             try:
                 quant.as_recipe(self.recipe)
             except ValueError as e:
@@ -130,8 +132,6 @@ class StudentConfig:
     logprob_chunk: int = 0           # positions per log-prob chunk (0: auto, <= 64M logits per chunk)
 
     def validate(self):
-        from opdjax.models.decoder import ATTENTION_IMPLS, REMAT_POLICIES
-
         _choice("student", "dtype", self.dtype, {"float32", "bfloat16"})
         _choice("student", "compute_dtype", self.compute_dtype, {"float32", "bfloat16"})
         _choice("student", "attention", self.attention, ATTENTION_IMPLS)
@@ -154,35 +154,24 @@ class TeacherConfig:
         _positive("teacher", "temperature", self.temperature)
 
 
-# Training defaults per loss, applied under `loss.options` (the pure loss functions keep their textbook defaults).
-# reverse_kl_sampled: a batch-mean baseline (unbiased) — without it the sampled estimator's variance stalls OPD.
-LOSS_DEFAULTS: dict[str, dict[str, Any]] = {"reverse_kl_sampled": {"baseline": "batch"}}
-
-
 @dataclasses.dataclass
 class LossConfig:
     name: str = "reverse_kl_sampled"
-    options: dict = dataclasses.field(default_factory=dict)   # loss kwargs on top of LOSS_DEFAULTS, e.g. {beta: 0.5}
+    options: dict = dataclasses.field(default_factory=dict)   # loss kwargs (defaults: the loss's own), e.g. {beta: 0.5}
     correction: str = "none"         # none | token_tis | seq_tis | token_mis | seq_mis | geo_reject | k3_reject ...
     correction_options: dict = dataclasses.field(default_factory=dict)  # cap, low, high, threshold, normalize
 
     def validate(self):
-        from opdjax.core import losses, mismatch
-
         _choice("loss", "name", self.name, losses.LOSSES)
         params = inspect.signature(losses.get_loss(self.name)).parameters
         valid = [k for k, p in params.items() if p.kind == p.KEYWORD_ONLY and k != "correction"]
         for k in self.options:
             if k not in valid:
                 raise ConfigError(f"loss.options.{k} is not an option of loss {self.name!r}; valid options: {valid}")
-        _choice("loss", "correction", self.correction, mismatch.CORRECTIONS)
-        fields = {f.name for f in dataclasses.fields(mismatch.Correction)} - {"name"}
+        _choice("loss", "correction", self.correction, corrections.CORRECTIONS)
+        fields = {f.name for f in dataclasses.fields(corrections.Correction)} - {"name"}
         for k in self.correction_options:
             _choice("loss.correction_options", "key", k, fields)
-
-    def resolved_options(self) -> dict[str, Any]:
-        """LOSS_DEFAULTS for this loss, overridden by `options`."""
-        return {**LOSS_DEFAULTS.get(self.name, {}), **self.options}
 
 
 @dataclasses.dataclass
@@ -310,6 +299,9 @@ def _coerce(path: str, value: Any, tp) -> Any:
     elif tp is tuple or origin is tuple:
         if isinstance(value, (list, tuple)):
             return tuple(value)
+    elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):  # an object where a name is also accepted (rollout.recipe: a quant.Recipe)
+            return value
     raise ConfigError(f"{path}={value!r} has the wrong type: expected {_type_name(tp)}")
 
 

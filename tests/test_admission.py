@@ -10,11 +10,15 @@ import pathlib
 
 import pytest
 
-from opdjax.budget import admission
 from opdjax import quant
-from opdjax.budget.admission import AdmissionError, Budget
 from opdjax.models.tiny import tiny_config
-
+from opdjax.budget import admit, records, search
+from opdjax.budget import io as bio
+from opdjax.budget.io import AdmissionError, Budget
+from opdjax.budget import probe as probe_mod
+from opdjax.cli import admission as cli_admission
+from opdjax.core import layout
+from opdjax.models import presets
 
 # ------------------------------------------------------------------------------------------------------ fakes
 
@@ -67,13 +71,13 @@ def write_budget(tmp_path, **d):
 def parser():
     p = argparse.ArgumentParser(prog="opdjax")
     sub = p.add_subparsers(dest="command", required=True)
-    admission.add_admission_commands(sub)
+    cli_admission.add_admission_commands(sub)
     return p
 
 
 def run_cli(argv, monkeypatch, probe=None):
     if probe is not None:
-        monkeypatch.setattr(admission, "_default_probe", lambda: probe)
+        monkeypatch.setattr(probe_mod, "probe", probe)
     args = parser().parse_args(argv)
     return args.func(args)
 
@@ -85,41 +89,41 @@ def run_cli(argv, monkeypatch, probe=None):
                                      (0.005, 0.02, "UNCERTAIN"), (0.01, 0.02, "UNCERTAIN"),
                                      (float("nan"), float("nan"), "UNCERTAIN")])
 def test_verdict_compares_the_whole_ci_with_the_budget(lo, hi, v):
-    assert admission.verdict(lo, hi, 0.01) == v
+    assert admit.verdict(lo, hi, 0.01) == v
 
 
 def test_exit_code_is_zero_only_when_every_candidate_is_admitted():
-    row = lambda v: admission.AdmitRow("c", [], "k3", 0, 0, 0, 1, v, 0, 0)  # noqa: E731
-    assert admission.exit_code([row("ADMIT"), row("ADMIT")]) == 0
-    assert admission.exit_code([row("ADMIT"), row("UNCERTAIN")]) == 1
-    assert admission.exit_code([row("REJECT")]) == 1
-    assert admission.exit_code([]) == 1
+    row = lambda v: records.AdmitRow("c", [], "k3", 0, 0, 0, 1, v, 0, 0)  # noqa: E731
+    assert admit.exit_code([row("ADMIT"), row("ADMIT")]) == 0
+    assert admit.exit_code([row("ADMIT"), row("UNCERTAIN")]) == 1
+    assert admit.exit_code([row("REJECT")]) == 1
+    assert admit.exit_code([]) == 1
 
 
 def test_split_candidate_keeps_mappings_whole_and_rejects_garbage():
-    assert admission.split_candidate("rollout.weight_noise=0.05,rollout.stale_versions=1") == [
+    assert admit.split_candidate("rollout.weight_noise=0.05,rollout.stale_versions=1") == [
         "rollout.weight_noise=0.05", "rollout.stale_versions=1"]
-    assert admission.split_candidate("rollout.engine=vllm,rollout.vllm={kv_cache_dtype: fp8, max_num_seqs: 8}") == [
+    assert admit.split_candidate("rollout.engine=vllm,rollout.vllm={kv_cache_dtype: fp8, max_num_seqs: 8}") == [
         "rollout.engine=vllm", "rollout.vllm={kv_cache_dtype: fp8, max_num_seqs: 8}"]
     for bad in ("", "rollout.recipe", "a=1,,b=2", "x={a: 1", "=3"):
         with pytest.raises(AdmissionError):
-            admission.split_candidate(bad)
+            admit.split_candidate(bad)
 
 
 def test_load_budget_errors_name_the_problem(tmp_path):
     with pytest.raises(AdmissionError, match="does not exist"):
-        admission.load_budget(tmp_path / "nope.json")
+        bio.load_budget(tmp_path / "nope.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(AdmissionError, match="not valid JSON"):
-        admission.load_budget(bad)
+        bio.load_budget(bad)
     bad.write_text(json.dumps({"metric": "k3"}))
     with pytest.raises(AdmissionError, match="missing key"):
-        admission.load_budget(bad)
+        bio.load_budget(bad)
     bad.write_text(json.dumps({"metric": "k3", "budget": "big"}))
     with pytest.raises(AdmissionError, match="finite number"):
-        admission.load_budget(bad)
-    b = admission.load_budget(write_budget(tmp_path, budget=0.02))
+        bio.load_budget(bad)
+    b = bio.load_budget(write_budget(tmp_path, budget=0.02))
     assert (b.metric, b.budget, b.delta) == ("k3", 0.02, 0.25)
 
 
@@ -159,59 +163,59 @@ def test_admit_cli_usage_errors_exit_2(tmp_path, monkeypatch, capsys):
 
 
 def test_unit_recipes_quantize_exactly_their_modules():
-    mods = admission._linear_modules(MCFG)
+    mods = layout.linear_modules(MCFG)
     for by in ("layer", "module", "group", "layer-group"):
-        us = admission.units(MCFG.num_layers, by)
+        us = search.units(MCFG.num_layers, by)
         covered = []
         for u in us[:-1]:
-            r = admission.unit_recipe(u)
+            r = search.unit_recipe(u)
             q = [m for m in mods if quant.module_spec(r, m) is not None]
             assert q and r.activations is not None and r.kv_cache is None
             covered += q
         assert sorted(covered) == sorted(mods)  # the units partition the decoder linears
-        assert us[-1].kv and admission.unit_recipe(us[-1]).kv_cache is not None
-    full = admission.full_fp8_recipe()
+        assert us[-1].kv and search.unit_recipe(us[-1]).kv_cache is not None
+    full = search.full_fp8_recipe()
     ref = quant.RECIPES["fp8_w8a8_kv"]
     assert all(quant.module_spec(full, m) == quant.module_spec(ref, m) for m in mods + ["lm_head"])
     assert (full.activations, full.kv_cache, full.kv_scale) == (ref.activations, ref.kv_cache, ref.kv_scale)
 
 
 def test_vllm_settings_list_kept_modules_and_refuse_split_fused_layers():
-    keep = [u for u in admission.units(MCFG.num_layers, "layer") if u.label == "layer0"]
-    s = admission.vllm_settings(MCFG, admission.full_fp8_recipe(keep))
+    keep = [u for u in search.units(MCFG.num_layers, "layer") if u.label == "layer0"]
+    s = search.vllm_settings(MCFG, search.full_fp8_recipe(keep))
     assert s["quantization"] == "fp8_per_tensor" and s["kv_cache_dtype"] == "fp8"
     assert sorted(s["quantization_config"]["ignore"]) == sorted(
-        m for m in admission._linear_modules(MCFG) if m.startswith("model.layers.0."))
-    split = admission.full_fp8_recipe([admission.Unit("q0", ("model.layers.0.self_attn.q_proj",))])
+        m for m in layout.linear_modules(MCFG) if m.startswith("model.layers.0."))
+    split = search.full_fp8_recipe([search.Unit("q0", ("model.layers.0.self_attn.q_proj",))])
     with pytest.raises(AdmissionError, match="fused qkv"):
-        admission.vllm_settings(MCFG, split)
-    assert admission.vllm_settings(MCFG, quant.RECIPES["none"]) == {"kv_cache_dtype": "auto"}
-    calibrated = admission.full_fp8_recipe(keep, kv_scales=[0.01] * MCFG.num_layers)
+        search.vllm_settings(MCFG, split)
+    assert search.vllm_settings(MCFG, quant.RECIPES["none"]) == {"kv_cache_dtype": "auto"}
+    calibrated = search.full_fp8_recipe(keep, kv_scales=[0.01] * MCFG.num_layers)
     with pytest.raises(AdmissionError, match="calibrated per-layer scales are read only from"):
-        admission.vllm_settings(MCFG, calibrated)
+        search.vllm_settings(MCFG, calibrated)
 
 
 def test_recipe_search_with_calibrated_kv_scales_keeps_them_and_says_vllm_cannot_take_them(tmp_path):
     scales = tuple((0.01 * (i + 1), 0.02) for i in range(MCFG.num_layers))
-    res = admission.recipe_search(admission.candidate_config(None, []), Budget("k3", 0.03, None), margin=0.8,
+    res = search.recipe_search(admit.candidate_config(None, []), Budget("k3", 0.03, None), margin=0.8,
                                   probe_fn=FakeProbe(0.0), mcfg=MCFG, kv_scales=scales, log=lambda s: None)
     assert res.recipe.kv_scales == scales and res.recipe.kv_scale is None
     assert "unsupported" in res.vllm and res.capacity["ratio"] > 1.9
-    paths = admission.write_search(res, Budget("k3", 0.03, None), 0.8, tmp_path / "rs")
+    paths = search.write_search(res, Budget("k3", 0.03, None), 0.8, tmp_path / "rs")
     assert quant.Recipe.from_dict(json.loads(open(paths["recipe"]).read())).kv_scales == scales
 
 
 def test_recipe_search_keeps_sensitive_layers_and_its_recipe_is_admitted(tmp_path, monkeypatch):
     budget = Budget("k3", 0.01, 0.25)
     probe = FakeProbe(half_width=0.05)
-    cfg = admission.candidate_config(None, [])
-    res = admission.recipe_search(cfg, budget, margin=0.8, probe_fn=probe, mcfg=MCFG, log=lambda s: None)
+    cfg = admit.candidate_config(None, [])
+    res = search.recipe_search(cfg, budget, margin=0.8, probe_fn=probe, mcfg=MCFG, log=lambda s: None)
     # full FP8: 0.01875 + 0.004. Keeping layer0 (0.01) leaves 0.01275 > 0.008; + layer1 -> 0.00775 fits;
     # re-quantizing layer0 alone does not fit (0.01275), so both stay; the KV cache stays FP8.
     assert res.fits and res.kept == ["layer0", "layer1"]
     assert res.m == pytest.approx(0.00775)
     assert res.capacity["ratio"] > 1.9
-    paths = admission.write_search(res, budget, 0.8, tmp_path / "rs")
+    paths = search.write_search(res, budget, 0.8, tmp_path / "rs")
     loaded = quant.Recipe.from_dict(json.loads(open(paths["recipe"]).read()))
     assert loaded == res.recipe
     vllm = json.loads(open(paths["vllm"]).read())
@@ -224,11 +228,11 @@ def test_recipe_search_keeps_sensitive_layers_and_its_recipe_is_admitted(tmp_pat
 def test_recipe_search_gives_back_units_that_are_not_needed():
     """Greedy by sensitivity keeps layer0 then the KV cache; once it fits, layer0 is re-quantized if M allows."""
     budget = Budget("k3", 0.03, None)
-    res = admission.recipe_search(admission.candidate_config(None, []), budget, margin=0.8, probe_fn=FakeProbe(0.0),
+    res = search.recipe_search(admit.candidate_config(None, []), budget, margin=0.8, probe_fn=FakeProbe(0.0),
                                   mcfg=MCFG, log=lambda s: None)
     assert res.fits and res.kept == [] and res.m == pytest.approx(0.02275)
     b2 = Budget("k3", 0.0225, None)  # target 0.018: keep layer0 -> 0.01275 fits, nothing to give back
-    res2 = admission.recipe_search(admission.candidate_config(None, []), b2, margin=0.8, probe_fn=FakeProbe(0.0),
+    res2 = search.recipe_search(admit.candidate_config(None, []), b2, margin=0.8, probe_fn=FakeProbe(0.0),
                                    mcfg=MCFG, log=lambda s: None)
     assert res2.kept == ["layer0"]
 
@@ -237,7 +241,7 @@ def test_recipe_search_gives_back_units_that_are_not_needed():
 
 
 def test_capacity_matches_closed_form():
-    mcfg = admission.model_config("llama3-8b")
+    mcfg = presets.model_config("llama3-8b")
     mem = 80 * 2**30
     E, F, L, V = 4096, 14336, 32, 128256
     linear = L * (E * 4096 + 2 * E * 1024 + 4096 * E + 3 * E * F)  # q, k, v, o, gate, up, down
@@ -246,7 +250,7 @@ def test_capacity_matches_closed_form():
     fp8_w = linear + 4 * 7 * L + 2 * other  # one f32 scale per tensor
     bf16_tok = (mem - bf16_w) // (2 * L * 8 * 128 * 2)
     fp8_tok = (mem - fp8_w) // (2 * L * 8 * 128 * 1)
-    rep = admission.capacity_report(mcfg, quant.RECIPES["fp8_w8a8_kv"], mem)
+    rep = search.capacity_report(mcfg, quant.RECIPES["fp8_w8a8_kv"], mem)
     assert rep["bf16"]["weight_bytes"] == bf16_w and rep["recipe_side"]["weight_bytes"] == fp8_w
     assert rep["bf16"]["kv_tokens"] == bf16_tok and rep["recipe_side"]["kv_tokens"] == fp8_tok
     assert rep["ratio"] == pytest.approx(fp8_tok / bf16_tok) and rep["ratio"] >= 1.93
@@ -265,11 +269,11 @@ def test_capacity_cli_and_bad_model(monkeypatch, capsys):
 def test_admit_with_the_real_probe_orders_clean_below_fp8(pair, tmp_path):
     glob = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
             "rollout.max_new_tokens=4", "pipeline.progress=false", "pipeline.tensorboard=false"]
-    rows = admission.admit(["rollout.recipe=none", "rollout.recipe=fp8_w8a8_kv"], Budget("k3", 1e-6), overrides=glob,
+    rows = admit.admit(["rollout.recipe=none", "rollout.recipe=fp8_w8a8_kv"], Budget("k3", 1e-6), overrides=glob,
                            batches=2, log=lambda s: None)
     assert rows[0].verdict == "ADMIT" and rows[0].m < 1e-6
     assert rows[1].m > rows[0].m and rows[1].verdict in ("REJECT", "UNCERTAIN")
-    assert admission.exit_code(rows) == 1
+    assert admit.exit_code(rows) == 1
 
 
 def test_cache_amax_matches_transformers_kv_cache(pair):
@@ -278,8 +282,8 @@ def test_cache_amax_matches_transformers_kv_cache(pair):
     import torch
     import transformers
 
-    from opdjax.models import ModelConfig, hf
     from opdjax.budget.probe import cache_amax
+    from opdjax.models import ModelConfig, hf
 
     mcfg = ModelConfig.from_dir(pair[0])
     graphdef, params = hf.load_state(pair[0], mcfg)
@@ -299,14 +303,14 @@ def test_calibrated_kv_scales_cut_the_fp8_kv_mismatch(pair):
 
     glob = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
             "rollout.max_new_tokens=4", "pipeline.progress=false", "pipeline.tensorboard=false"]
-    cfg = admission.candidate_config(None, glob)
+    cfg = admit.candidate_config(None, glob)
     amax = kv_amax(cfg, batches=1, log=lambda s: None)
     assert amax.shape == (tiny_config("qwen3", "tiny").num_layers, 2) and (amax > 0).all()
-    scales = admission.calibrate_kv(cfg, batches=1)
+    scales = probe_mod.calibrate_kv(cfg, batches=1)
     assert scales == quant.calibrate_kv_scales(amax)
-    kv = admission.Unit(admission.KV, kv=True)
-    fixed = admission._probe_recipe(cfg, admission.unit_recipe(kv), probe, batches=2, metric="k3", seed=0)
-    cal = admission._probe_recipe(cfg, admission.unit_recipe(kv, kv_scales=scales), probe, batches=2, metric="k3",
+    kv = search.Unit(search.KV, kv=True)
+    fixed = search._probe_recipe(cfg, search.unit_recipe(kv), probe, batches=2, metric="k3", seed=0)
+    cal = search._probe_recipe(cfg, search.unit_recipe(kv, kv_scales=scales), probe, batches=2, metric="k3",
                                   seed=0)
     assert 0 < cal.m < fixed.m
 
@@ -319,7 +323,7 @@ def _sha256(path) -> str:
 
 
 def test_setup_fingerprint_hashes_the_student_and_teacher_weights(pair):
-    fp = admission.setup_fingerprint(admission.candidate_config(None, [f"student={pair[0]}", f"teacher={pair[1]}"]),
+    fp = bio.setup_fingerprint(admit.candidate_config(None, [f"student={pair[0]}", f"teacher={pair[1]}"]),
                                      log=lambda m: None)
     assert fp["student_sha256"] == _sha256(f"{pair[0]}/model.safetensors")
     assert fp["teacher_sha256"] == _sha256(f"{pair[1]}/model.safetensors") != fp["student_sha256"]
@@ -328,12 +332,12 @@ def test_setup_fingerprint_hashes_the_student_and_teacher_weights(pair):
 
 def test_calibration_warning_names_the_setup_that_differs(tmp_path):
     on = {"student_sha256": "a" * 64, "teacher_sha256": "b" * 64, "jax": "0.10.2", "machine": "Linux x86_64 (cpu)"}
-    b = admission.load_budget(write_budget(tmp_path, calibrated_on=on))
+    b = bio.load_budget(write_budget(tmp_path, calibrated_on=on))
     assert b.calibrated_on == on
-    assert admission.calibration_warning(b, dict(on)) is None
-    msg = admission.calibration_warning(b, {**on, "student_sha256": "c" * 64})
+    assert bio.calibration_warning(b, dict(on)) is None
+    msg = bio.calibration_warning(b, {**on, "student_sha256": "c" * 64})
     assert "student weights aaaaaaaaaaaa (now cccccccccccc)" in msg and "teacher" not in msg
     assert "rerun `opdjax study`" in msg and "jax 0.10.2" in msg
-    assert admission.calibration_warning(Budget("k3", 0.01), {"student_sha256": "c" * 64}) is None  # no record
+    assert bio.calibration_warning(Budget("k3", 0.01), {"student_sha256": "c" * 64}) is None  # no record
     with pytest.raises(AdmissionError, match="'calibrated_on' must be an object"):
-        admission.load_budget(write_budget(tmp_path, calibrated_on="yesterday"))
+        bio.load_budget(write_budget(tmp_path, calibrated_on="yesterday"))

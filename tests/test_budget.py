@@ -7,9 +7,10 @@ import pathlib
 
 import pytest
 
-from opdjax.budget import study as budget
+from opdjax.budget import fit, phenomena, report
+from opdjax.budget import study as study_mod
+from opdjax.budget import io as bio
 from opdjax.config import ConfigError
-
 
 # ----------------------------------------------------------------------------------------------------- pure fit
 
@@ -21,7 +22,7 @@ def _pts(*mq):
 def test_budget_is_last_point_before_first_failure_in_increasing_m():
     # Unordered input; the 0.2 point is within delta but lies beyond the first failure (0.1), so it cannot raise B.
     pts = _pts((0.1, 0.5), (0.0, 0.0), (0.03, 0.19), (0.2, 0.1), (0.01, 0.05))
-    b, within = budget.fit_budget(pts, delta=0.2)
+    b, within = fit.fit_budget(pts, delta=0.2)
     assert b == 0.03
     assert within == [False, True, True, True, True]
 
@@ -29,72 +30,72 @@ def test_budget_is_last_point_before_first_failure_in_increasing_m():
 def test_isotonic_fit_pools_a_noisy_point_and_first_failure_does_not():
     # 0.01 lands just outside delta by noise, its neighbour well inside: pooled (0.15) they are within.
     pts = _pts((0.0, 0.0), (0.01, 0.25), (0.02, 0.05), (0.1, 0.9))
-    assert budget.fit_budget(pts, delta=0.2) == (0.02, [True, False, True, False])
-    assert budget.fit_budget(pts, delta=0.2, method="first_failure")[0] == 0.0
-    assert budget.monotone_q_loss(pts) == [0.0, pytest.approx(0.15), pytest.approx(0.15), 0.9]
+    assert fit.fit_budget(pts, delta=0.2) == (0.02, [True, False, True, False])
+    assert fit.fit_budget(pts, delta=0.2, method="first_failure")[0] == 0.0
+    assert fit.monotone_q_loss(pts) == [0.0, pytest.approx(0.15), pytest.approx(0.15), 0.9]
     # a diverged point pools to inf: nothing at or beyond it counts, whatever follows
-    assert budget.fit_budget(_pts((0.0, 0.0), (0.01, math.inf), (0.02, 0.0)), 0.2)[0] == 0.0
+    assert fit.fit_budget(_pts((0.0, 0.0), (0.01, math.inf), (0.02, 0.0)), 0.2)[0] == 0.0
     with pytest.raises(ValueError, match="fit method"):
-        budget.fit_budget(pts, 0.2, method="median")
+        fit.fit_budget(pts, 0.2, method="median")
 
 
 def test_budget_tolerance_is_inclusive_and_all_within_gives_the_largest_m():
-    b, within = budget.fit_budget(_pts((0.0, 0.0), (0.5, 0.2), (0.2, 0.2)), delta=0.2)
+    b, within = fit.fit_budget(_pts((0.0, 0.0), (0.5, 0.2), (0.2, 0.2)), delta=0.2)
     assert b == 0.5 and all(within)
 
 
 def test_budget_tied_m_needs_every_tied_point_within():
-    b, _ = budget.fit_budget(_pts((0.0, 0.0), (0.1, 0.0), (0.1, 0.9)), delta=0.2)
+    b, _ = fit.fit_budget(_pts((0.0, 0.0), (0.1, 0.0), (0.1, 0.9)), delta=0.2)
     assert b == 0.0
 
 
 def test_budget_nan_loss_counts_as_outside_and_empty_or_failing_start_gives_zero():
-    b, within = budget.fit_budget(_pts((0.0, 0.0), (0.1, float("nan")), (0.2, 0.0)), delta=0.2)
+    b, within = fit.fit_budget(_pts((0.0, 0.0), (0.1, float("nan")), (0.2, 0.0)), delta=0.2)
     assert b == 0.0 and within == [True, False, True]
-    assert budget.fit_budget([], 0.2) == (0.0, [])
-    assert budget.fit_budget(_pts((0.01, 1.0)), 0.2)[0] == 0.0
+    assert fit.fit_budget([], 0.2) == (0.0, [])
+    assert fit.fit_budget(_pts((0.01, 1.0)), 0.2)[0] == 0.0
     # A point without a probe M (None) is ignored by the walk.
-    assert budget.fit_budget([{"m": None, "q_loss": 9.0}, *_pts((0.0, 0.0), (0.3, 0.1))], 0.2)[0] == 0.3
+    assert fit.fit_budget([{"m": None, "q_loss": 9.0}, *_pts((0.0, 0.0), (0.3, 0.1))], 0.2)[0] == 0.3
 
 
 def test_quality_losses_relative_reverse_kl_and_accuracy_drop():
     base = {"reverse_kl": 2.0, "accuracy": 0.8}
     recs = [{"reverse_kl": 3.0, "accuracy": 0.5}, {"reverse_kl": float("nan"), "accuracy": 0.5}]
-    assert budget.quality_losses(recs, base, "reverse_kl") == [0.5, math.inf]
-    assert budget.quality_losses(recs[:1], base, "accuracy") == [pytest.approx(0.3)]
+    assert fit.quality_losses(recs, base, "reverse_kl") == [0.5, math.inf]
+    assert fit.quality_losses(recs[:1], base, "accuracy") == [pytest.approx(0.3)]
 
 
 def test_first_divergence_position():
-    assert budget._first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert budget._first_divergence([1, 2, 3], [1, 5, 3]) == 1
-    assert budget._first_divergence([1, 2], [1, 2, 3]) == 2
+    assert phenomena._first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert phenomena._first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert phenomena._first_divergence([1, 2], [1, 2, 3]) == 2
 
 
 def test_study_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="did you mean 'delta'"):
-        budget.load_study(None, ["detla=0.1"])
+        study_mod.load_study(None, ["detla=0.1"])
     with pytest.raises(ConfigError, match="unknown recipe 'fp9'"):
-        budget.load_study(None, ["recipes=[fp9]"])
+        study_mod.load_study(None, ["recipes=[fp9]"])
     with pytest.raises(ConfigError, match="base/point config: unknown key 'pipeline.stepz'"):
-        budget.load_study(None, ["base.pipeline.stepz=3"])
+        study_mod.load_study(None, ["base.pipeline.stepz=3"])
     with pytest.raises(ConfigError, match="shift.corrections"):
-        budget.load_study(None, ["shift.corrections=[token_tiss]"])
+        study_mod.load_study(None, ["shift.corrections=[token_tiss]"])
 
 
 def test_load_budget_rejects_missing_and_malformed_files(tmp_path):
-    with pytest.raises(budget.BudgetError, match="does not exist"):
-        budget.load_budget(tmp_path / "nope.json")
+    with pytest.raises(bio.AdmissionError, match="does not exist"):
+        bio.load_budget(tmp_path / "nope.json")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"metric": "k3", "budget": "x", "delta": 0.1, "points": []}))
-    with pytest.raises(budget.BudgetError, match="'budget' has the wrong type"):
-        budget.load_budget(bad)
+    with pytest.raises(bio.AdmissionError, match="'budget' has the wrong type"):
+        bio.load_budget(bad)
 
 
 # ----------------------------------------------------------------------------------------------------- end to end
 
 
 def _study(pair, out, *extra):
-    return budget.load_study(None, [
+    return study_mod.load_study(None, [
         f"out_dir={out}", f"base.student={pair[0]}", f"base.teacher={pair[1]}", "base.task.options={digits: 1}",
         "base.rollout.batch_size=8", "base.rollout.max_new_tokens=4", "base.pipeline.steps=2",
         "base.pipeline.eval_every=2", "base.pipeline.eval_prompts=8", "base.pipeline.tensorboard=false",
@@ -105,7 +106,7 @@ def _study(pair, out, *extra):
 def test_small_study_writes_all_outputs_and_resume_skips_finished_runs(pair, tmp_path, monkeypatch):
     # Real runs on tiny models: 2 of the `--small` sweep points, phenomena off (covered with fake runs below).
     study = _study(pair, tmp_path / "study", "staleness=[]", "rl.enabled=false", "shift.enabled=false")
-    out = budget.run_study(study, log=lambda s: None)
+    out = study_mod.run_study(study, log=lambda s: None)
     root = tmp_path / "study"
     for name in ("budget.json", "points.csv", "budget.png", "summary.md"):
         assert (root / name).is_file() and (root / name).stat().st_size > 0, name
@@ -140,18 +141,19 @@ def test_small_study_writes_all_outputs_and_resume_skips_finished_runs(pair, tmp
         return real_train(cfg, log)
 
     monkeypatch.setattr(pipeline, "train", counting_train)
-    budget.run_study(study, log=lambda s: None)
+    study_mod.run_study(study, log=lambda s: None)
     assert calls == []
     # ... and only the missing (point, seed) run after its result file is removed.
     (root / "results" / "weight_noise=0.3" / "seed0.json").unlink()
-    budget.run_study(study, log=lambda s: None)
+    study_mod.run_study(study, log=lambda s: None)
     assert len(calls) == 1 and calls[0].endswith("weight_noise=0.3/seed0")
 
 
 def _fake_runs(monkeypatch):
     """pipeline.train / probe stand-ins: final RKL = 1 + 100·sigma² (+ 0.3 for RL), M = sigma², k3 logged."""
-    from opdjax.pipeline import loop as pipeline
     from opdjax.budget import probe
+    from opdjax.budget.records import ProbeResult
+    from opdjax.pipeline import loop as pipeline
 
     def fake_train(cfg, log=print):
         out = pathlib.Path(cfg.pipeline.out_dir)
@@ -168,12 +170,12 @@ def _fake_runs(monkeypatch):
 
     def fake_probe(cfg, *, batches=4, metric="k3", seed=0, log=print):
         s = cfg.rollout.weight_noise + 0.01 * cfg.rollout.stale_versions
-        return probe.ProbeResult(metric=metric, m=s * s, ci_low=0.5 * s * s, ci_high=2 * s * s, metrics={},
+        return ProbeResult(metric=metric, m=s * s, ci_low=0.5 * s * s, ci_high=2 * s * s, metrics={},
                                  seconds=0.0, tokens=10)
 
     monkeypatch.setattr(pipeline, "train", fake_train)
     monkeypatch.setattr(probe, "probe", fake_probe)
-    monkeypatch.setattr(budget, "prefix_shift", lambda path, cfg, sigmas, **kw: [
+    monkeypatch.setattr(phenomena, "prefix_shift", lambda path, cfg, sigmas, **kw: [
         {"weight_noise": s, "frac_diverged": s, "first_div_mean": 1.0, "answer_changed": s, "seq_kl": s,
          "token_k3": s * s, "same_prefix_at_1": 1 - s} for s in sigmas])
 
@@ -185,7 +187,7 @@ def test_study_fits_the_knee_and_reports_rl_and_correction_phenomena(pair, tmp_p
                    "staleness=[]", "delta=0.2", "rl.weight_noise=[0.1]", "rl.common={optim: {lr: 0.0003}}",
                    "shift.correction_noise=0.07",
                    "shift.corrections=[token_tis, token_mis]")
-    out = budget.run_study(study, log=lambda s: None)
+    out = study_mod.run_study(study, log=lambda s: None)
     assert out["budget"] == pytest.approx(0.03 ** 2)
     assert [p["within_budget"] for p in out["points"]] == [True, True, True, False, False]
     spread = out["points"][1]["q_loss_spread"]
@@ -205,11 +207,11 @@ def test_study_fits_the_knee_and_reports_rl_and_correction_phenomena(pair, tmp_p
 def test_prefix_shift_without_noise_reproduces_the_clean_samples(pair):
     study = _study(pair, "unused")
     cfg = study.train_config_for({}, 0)
-    (clean,) = budget.prefix_shift(pair[0], cfg, [0.0], prompts=16, seeds=[0])
+    (clean,) = phenomena.prefix_shift(pair[0], cfg, [0.0], prompts=16, seeds=[0])
     # Same weights and same seed: identical samples, so nothing diverges and the sequence KL is 0.
     assert clean["frac_diverged"] == 0.0 and clean["answer_changed"] == 0.0
     assert abs(clean["seq_kl"]) < 1e-5
-    (noisy,) = budget.prefix_shift(pair[0], cfg, [1.0], prompts=16, seeds=[0])
+    (noisy,) = phenomena.prefix_shift(pair[0], cfg, [1.0], prompts=16, seeds=[0])
     assert noisy["frac_diverged"] > 0 and noisy["same_prefix_at_1"] < 1.0
 
 
@@ -223,8 +225,8 @@ def test_validity_table_separates_seed_decided_verdicts():
                     row("c", "REJECT", [2.5, 0.1], False)],
            "admit_wall_seconds": 3.0, "probe_seconds_per_candidate": 1.0, "max_probe_seconds": 1.5,
            "mean_study_point_seconds": 100.0, "probe_cost_ratio": 0.01}
-    md = budget.validity_markdown(rep)
-    assert budget.straddles([2.5, 0.1], 2.0) and not budget.straddles([3.0, 9.0], 2.0)
+    md = report.validity_markdown(rep)
+    assert fit.straddles([2.5, 0.1], 2.0) and not fit.straddles([3.0, 9.0], 2.0)
     assert "2/2 where every seed's q_loss falls on the same side of delta, 0/1 where the seeds straddle" in md
     assert md.count("(seeds straddle delta)") == 1
     assert "**1.0%**" in md

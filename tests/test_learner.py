@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from opdjax.learner.learner import Learner
 from opdjax.core.logprobs import token_logprobs
+from opdjax.learner.learner import Learner
 from opdjax.models import decoder
 from opdjax.models.config import ModelConfig
 
@@ -72,9 +72,9 @@ def test_learner_step_mixed_precision_keeps_f32_params_and_matches_f32_loss():
     comp = np.asarray(valid).copy()
     comp[:, :5] = False
     rng = np.random.default_rng(1)
-    batch = {"tokens_BL": np.asarray(tokens), "valid_BL": np.asarray(valid), "completion_mask_BL": comp,
-             "rollout_logp_BL": np.where(comp, -rng.random(comp.shape), 0.0).astype(np.float32),
-             "teacher_logp_BL": np.where(comp, -rng.random(comp.shape), 0.0).astype(np.float32)}
+    batch = {"tokens_BT": np.asarray(tokens), "valid_BT": np.asarray(valid), "completion_mask_BT": comp,
+             "rollout_logp_BT": np.where(comp, -rng.random(comp.shape), 0.0).astype(np.float32),
+             "teacher_logp_BT": np.where(comp, -rng.random(comp.shape), 0.0).astype(np.float32)}
     losses = {}
     for dtype in (jnp.float32, jnp.bfloat16):
         graphdef, params = nnx.split(decoder.create(CFG, seed=1, dtype=dtype, param_dtype=jnp.float32))

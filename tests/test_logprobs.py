@@ -22,12 +22,12 @@ def test_shifted_logprobs_match_numpy_reference_with_topk_and_full_rows():
     z = logits[:, :-1].astype(np.float64) / 0.5
     lp = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
     ref = np.take_along_axis(lp, np.asarray(tokens)[:, 1:, None], -1)[..., 0]
-    np.testing.assert_allclose(np.asarray(out["logp_BL"])[:, 1:], ref, rtol=1e-5, atol=1e-5)
-    assert np.all(np.asarray(out["logp_BL"])[:, 0] == 0) and np.all(np.asarray(out["logprobs_BLV"])[:, 0] == 0)
-    np.testing.assert_allclose(np.asarray(out["logprobs_BLV"])[:, 1:], lp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out["logp_BT"])[:, 1:], ref, rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(out["logp_BT"])[:, 0] == 0) and np.all(np.asarray(out["logprobs_BTV"])[:, 0] == 0)
+    np.testing.assert_allclose(np.asarray(out["logprobs_BTV"])[:, 1:], lp, rtol=1e-5, atol=1e-5)
     top = np.argsort(-lp, -1)[..., :3]
-    np.testing.assert_array_equal(np.asarray(out["topk_ids_BLK"])[:, 1:], top)
-    np.testing.assert_allclose(np.asarray(out["topk_logp_BLK"])[:, 1:], np.take_along_axis(lp, top, -1), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out["topk_ids_BTK"])[:, 1:], top)
+    np.testing.assert_allclose(np.asarray(out["topk_logp_BTK"])[:, 1:], np.take_along_axis(lp, top, -1), atol=1e-5)
 
 
 @pytest.mark.parametrize("chunk", [None, 1, 3, 5, 100])

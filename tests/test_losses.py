@@ -9,9 +9,12 @@ import pytest
 
 from opdjax.core import losses
 from opdjax.core.losses import LOSSES, NEEDS, LossInputs, get_loss, loss_needs
-from opdjax.core.mismatch import Correction
+from opdjax.core.corrections import Correction
 
 # ----------------------------------------------------------------------------------------------------- numpy refs
+
+# The textbook estimator (no baseline): what the closed-form checks below compute.
+rkl_textbook = functools.partial(get_loss("reverse_kl_sampled"), baseline="none")
 
 
 def np_log_softmax(x):
@@ -91,7 +94,7 @@ def _rkl_loss_of_logits(z_V, t_logp_V, tokens_N):
     ls = jax.nn.log_softmax(z_V)
     s_N1 = ls[tokens_N][:, None]
     batch = {"mask_BT": jnp.ones_like(s_N1, bool), "teacher_logp_BT": t_logp_V[tokens_N][:, None]}
-    return get_loss("reverse_kl_sampled")(s_N1, None, batch)[0]
+    return rkl_textbook(s_N1, None, batch)[0]
 
 
 def test_reverse_kl_gradient_is_reverse_kl_gradient_exact_enumeration():
@@ -127,7 +130,7 @@ def _rkl_case(seed=0):
 
 def test_reverse_kl_loss_and_metrics_match_numpy():
     s, t, mask = _rkl_case()
-    loss, m = get_loss("reverse_kl_sampled")(jnp.asarray(s), None, {"mask_BT": mask, "teacher_logp_BT": t})
+    loss, m = rkl_textbook(jnp.asarray(s), None, {"mask_BT": mask, "teacher_logp_BT": t})
     n = mask.sum()
     d = (t - s) * mask
     np.testing.assert_allclose(loss, -(d * s).sum() / n, rtol=1e-5)
@@ -138,7 +141,7 @@ def test_reverse_kl_loss_and_metrics_match_numpy():
 
 def test_discount_zero_equals_plain_reverse_kl():
     s, t, mask = _rkl_case(seed=3)
-    fn = get_loss("reverse_kl_sampled")
+    fn = rkl_textbook
     batch = {"mask_BT": mask, "teacher_logp_BT": t}
     l0, g0 = jax.value_and_grad(lambda x: fn(x, None, batch)[0])(jnp.asarray(s))
     l1, g1 = jax.value_and_grad(lambda x: fn(x, None, batch, discount=0.0)[0])(jnp.asarray(s))
@@ -149,7 +152,7 @@ def test_discount_zero_equals_plain_reverse_kl():
 @pytest.mark.parametrize("gamma", [0.5, 0.9, 1.0])
 def test_discounted_advantage_is_reverse_discounted_cumsum(gamma):
     s, t, mask = _rkl_case(seed=4)
-    fn = get_loss("reverse_kl_sampled")
+    fn = rkl_textbook
     batch = {"mask_BT": mask, "teacher_logp_BT": t}
     loss, grad = jax.value_and_grad(lambda x: fn(x, None, batch, discount=gamma)[0])(jnp.asarray(s))
     adv = np_discounted((t - s).astype(np.float64), mask, gamma)
@@ -164,7 +167,7 @@ def test_padding_may_hold_anything():
     s, t, mask = _rkl_case(seed=5)
     s_bad, t_bad, r_bad = s.copy(), t.copy(), s.copy() - 0.1
     s_bad[~mask], t_bad[~mask], r_bad[~mask] = np.nan, -np.inf, np.inf
-    fn = get_loss("reverse_kl_sampled")
+    fn = rkl_textbook
     clean = {"mask_BT": mask, "teacher_logp_BT": t, "rollout_logp_BT": s - 0.1}
     dirty = {"mask_BT": mask, "teacher_logp_BT": t_bad, "rollout_logp_BT": r_bad}
     corr = Correction("token_tis")
@@ -322,7 +325,7 @@ def test_token_tis_correction_reweights_the_loss():
     rng = np.random.default_rng(0)
     rollout = (s - rng.normal(scale=1.0, size=s.shape)).astype(np.float32)  # mismatch: some ratios exceed C
     batch = {"mask_BT": mask, "teacher_logp_BT": t, "rollout_logp_BT": rollout}
-    fn = get_loss("reverse_kl_sampled")
+    fn = rkl_textbook
     plain, _ = fn(s, None, batch)
     none, _ = fn(s, None, batch, correction=Correction("none"))
     tis, m = fn(s, None, batch, correction=Correction("token_tis", cap=2.0))
@@ -341,7 +344,7 @@ def test_rejection_correction_drops_tokens_without_rescaling():
     rollout = s.copy()
     rollout[0, mask[0]] -= 5.0  # row 0 is far off-policy; token_mis drops it
     batch = {"mask_BT": mask, "teacher_logp_BT": t, "rollout_logp_BT": rollout}
-    loss, _ = get_loss("reverse_kl_sampled")(s, None, batch, correction=Correction("token_mis", low=0.5, high=2.0))
+    loss, _ = rkl_textbook(s, None, batch, correction=Correction("token_mis", low=0.5, high=2.0))
     keep = mask.copy()
     keep[0] = False
     np.testing.assert_allclose(loss, -(keep * (t - s) * s).sum() / mask.sum(), rtol=1e-5)

@@ -12,6 +12,7 @@ from hypothesis.extra import numpy as hnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from opdjax.core import corrections as corr
 from opdjax.core import mismatch as mm
 
 B, T, V = 4, 6, 8
@@ -20,10 +21,10 @@ HYP = settings(max_examples=30, deadline=None)
 
 # One jitted function per entry point, reused by every test (shapes are fixed so each compiles once or twice).
 metrics_jit = jax.jit(mm.metrics)
-is_token_jit = jax.jit(lambda s, r, m: mm.is_weights(s, r, m, level="token", cap=2.0))
-is_seq_jit = jax.jit(lambda s, r, m: mm.is_weights(s, r, m, level="sequence", cap=2.0))
-reject_seq_jit = jax.jit(lambda s, r, m: mm.rejection_mask(s, r, m, mode="sequence", low=0.5, high=2.0))
-reject_token_jit = jax.jit(lambda s, r, m: mm.rejection_mask(s, r, m, mode="token", low=0.5, high=2.0))
+is_token_jit = jax.jit(lambda s, r, m: corr.is_weights(s, r, m, level="token", cap=2.0))
+is_seq_jit = jax.jit(lambda s, r, m: corr.is_weights(s, r, m, level="sequence", cap=2.0))
+reject_seq_jit = jax.jit(lambda s, r, m: corr.rejection_mask(s, r, m, mode="sequence", low=0.5, high=2.0))
+reject_token_jit = jax.jit(lambda s, r, m: corr.rejection_mask(s, r, m, mode="token", low=0.5, high=2.0))
 
 logp_BT = hnp.arrays(np.float32, (B, T), elements=st.floats(-30.0, 0.0, width=32))
 mask_BT = hnp.arrays(np.bool_, (B, T))
@@ -280,13 +281,13 @@ def _all_outputs(s, r, m, sl, rl):
     out = {"metrics": mm.metrics(s, r, m), "full": mm.full_distribution_metrics(sl, rl, m, top_k=3)}
     out["kl_pos"] = mm.kl_per_position(sl, rl)
     for level in ("token", "sequence"):
-        out[f"is_{level}"] = mm.is_weights(s, r, m, level=level, cap=2.0, normalize=True)
+        out[f"is_{level}"] = corr.is_weights(s, r, m, level=level, cap=2.0, normalize=True)
     for mode in ("token", "sequence", "geometric"):
-        out[f"rej_{mode}"] = mm.rejection_mask(s, r, m, mode=mode, low=0.5, high=2.0)
+        out[f"rej_{mode}"] = corr.rejection_mask(s, r, m, mode=mode, low=0.5, high=2.0)
     for mode in ("k1", "k2", "k3"):
-        out[f"rej_{mode}"] = mm.rejection_mask(s, r, m, mode=mode, threshold=0.1)
-    for name in mm.CORRECTIONS:
-        out[f"corr_{name}"] = mm.apply_correction(mm.Correction(name), s, r, m)
+        out[f"rej_{mode}"] = corr.rejection_mask(s, r, m, mode=mode, threshold=0.1)
+    for name in corr.CORRECTIONS:
+        out[f"corr_{name}"] = corr.apply_correction(corr.Correction(name), s, r, m)
     return out
 
 
@@ -311,7 +312,7 @@ def test_nan_input_raises_outside_jit_and_is_counted_under_jit():
     with pytest.raises(ValueError, match="non-finite"):
         mm.metrics(bad, r, m)
     with pytest.raises(ValueError, match="non-finite"):
-        mm.is_weights(s, np.where(m, np.inf, r), m)
+        corr.is_weights(s, np.where(m, np.inf, r), m)
     out = _np(metrics_jit(bad, r, m))
     assert out["nan_count"] == 1
     assert all(np.isfinite(v) for v in out.values())
@@ -334,7 +335,7 @@ def test_non_binary_masks_raise(bad_mask):
     with pytest.raises(ValueError, match="mask_BT must be bool or contain only 0/1"):
         mm.metrics(z, z, np.asarray(bad_mask))
     with pytest.raises(ValueError, match="mask_BT"):
-        mm.rejection_mask(z, z, np.asarray(bad_mask), mode="k3", threshold=0.1)
+        corr.rejection_mask(z, z, np.asarray(bad_mask), mode="k3", threshold=0.1)
 
 
 def test_float_mask_equals_bool_mask_and_bf16_is_upcast():
@@ -352,8 +353,8 @@ def test_float_mask_equals_bool_mask_and_bf16_is_upcast():
     [
         (lambda: mm.metrics(np.zeros((2, 3)), np.zeros((2, 4)), np.ones((2, 3))), ["(2, 3)", "(2, 4)"]),
         (lambda: mm.metrics(np.zeros((2, 3)), np.zeros((2, 3)), np.ones((3, 2))), ["(3, 2)", "(2, 3)"]),
-        (lambda: mm.is_weights(np.zeros((2, 3)), np.zeros((5, 3)), np.ones((2, 3))), ["(2, 3)", "(5, 3)"]),
-        (lambda: mm.apply_correction(None, np.zeros((1, 3)), np.zeros((2, 3)), np.ones((1, 3))), ["(1, 3)", "(2, 3)"]),
+        (lambda: corr.is_weights(np.zeros((2, 3)), np.zeros((5, 3)), np.ones((2, 3))), ["(2, 3)", "(5, 3)"]),
+        (lambda: corr.apply_correction(None, np.zeros((1, 3)), np.zeros((2, 3)), np.ones((1, 3))), ["(1, 3)", "(2, 3)"]),
         (lambda: mm.full_distribution_metrics(np.zeros((2, 3, 4)), np.zeros((2, 3, 5)), np.ones((2, 3))),
          ["(2, 3, 4)", "(2, 3, 5)"]),
         (lambda: mm.full_distribution_metrics(np.zeros((2, 3, 4)), np.zeros((2, 3, 4)), np.ones((2, 4))),
@@ -402,7 +403,7 @@ RHO_R = np.zeros_like(RHO_S)
     ],
 )
 def test_sequence_rejection_modes_keep_what_the_closed_form_says(mode, kwargs, keep_rows):
-    keep, d = _np(mm.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode=mode, **kwargs))
+    keep, d = _np(corr.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode=mode, **kwargs))
     want = np.asarray(keep_rows, bool)[:, None] & RHO_MASK
     np.testing.assert_array_equal(keep, want.astype(np.float32))
     n_tok = RHO_MASK.sum()
@@ -413,7 +414,7 @@ def test_sequence_rejection_modes_keep_what_the_closed_form_says(mode, kwargs, k
 
 
 def test_token_rejection_keeps_tokens_inside_bounds():
-    keep, d = _np(mm.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode="token", low=0.5, high=2.0))
+    keep, d = _np(corr.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode="token", low=0.5, high=2.0))
     want = RHO_MASK & (RHO >= 0.5) & (RHO <= 2.0)
     np.testing.assert_array_equal(keep, want.astype(np.float32))
     np.testing.assert_allclose(d["reject_frac_tokens"], 2 / 9, rtol=1e-6)
@@ -421,13 +422,13 @@ def test_token_rejection_keeps_tokens_inside_bounds():
 
 
 def test_is_weights_closed_form_and_normalize():
-    w, d = _np(mm.is_weights(RHO_S, RHO_R, RHO_MASK, level="token", cap=2.0))
+    w, d = _np(corr.is_weights(RHO_S, RHO_R, RHO_MASK, level="token", cap=2.0))
     np.testing.assert_allclose(w, np.where(RHO_MASK, np.minimum(RHO, 2.0), 0), rtol=1e-6)
     np.testing.assert_allclose(d["is_frac_capped"], 1 / 9, rtol=1e-6)
-    ws, _ = _np(mm.is_weights(RHO_S, RHO_R, RHO_MASK, level="sequence", cap=2.0))
+    ws, _ = _np(corr.is_weights(RHO_S, RHO_R, RHO_MASK, level="sequence", cap=2.0))
     prod = np.where(RHO_MASK, RHO, 1).prod(1)
     np.testing.assert_allclose(ws, np.where(RHO_MASK, np.minimum(prod, 2.0)[:, None], 0), rtol=1e-6)
-    wn, dn = _np(mm.is_weights(RHO_S, RHO_R, RHO_MASK, level="sequence", cap=2.0, normalize=True))
+    wn, dn = _np(corr.is_weights(RHO_S, RHO_R, RHO_MASK, level="sequence", cap=2.0, normalize=True))
     np.testing.assert_allclose(wn[RHO_MASK].mean(), 1.0, rtol=1e-6)
     np.testing.assert_allclose(wn, ws / ws[RHO_MASK].mean(), rtol=1e-6)
     np.testing.assert_allclose(dn["is_weight_mean"], 1.0, rtol=1e-6)
@@ -435,52 +436,52 @@ def test_is_weights_closed_form_and_normalize():
 
 def test_weights_are_stop_gradient():
     def loss(s):
-        w, _ = mm.is_weights(s, RHO_R, RHO_MASK, level="token")
-        keep, _ = mm.rejection_mask(s, RHO_R, RHO_MASK, mode="k3", threshold=0.2)
+        w, _ = corr.is_weights(s, RHO_R, RHO_MASK, level="token")
+        keep, _ = corr.rejection_mask(s, RHO_R, RHO_MASK, mode="k3", threshold=0.2)
         return jnp.sum(w * keep * s)
 
-    w, _ = mm.is_weights(RHO_S, RHO_R, RHO_MASK, level="token")
-    keep, _ = mm.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode="k3", threshold=0.2)
+    w, _ = corr.is_weights(RHO_S, RHO_R, RHO_MASK, level="token")
+    keep, _ = corr.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode="k3", threshold=0.2)
     np.testing.assert_allclose(jax.grad(loss)(jnp.asarray(RHO_S)), w * keep, rtol=1e-6)
 
 
 def test_apply_correction_dispatches_by_name_with_prefixed_metrics():
     expected_names = {"none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_reject",
                       "k1_reject", "k2_reject", "k3_reject"}  # fmt: skip
-    assert expected_names <= set(mm.CORRECTIONS)
-    w, d = mm.apply_correction(None, RHO_S, RHO_R, RHO_MASK)
+    assert expected_names <= set(corr.CORRECTIONS)
+    w, d = corr.apply_correction(None, RHO_S, RHO_R, RHO_MASK)
     np.testing.assert_array_equal(w, RHO_MASK.astype(np.float32))
     assert d == {}
-    w, d = mm.apply_correction(mm.Correction("geo_reject", low=0.5, high=1.47), RHO_S, RHO_R, RHO_MASK)
-    ref, ref_d = mm.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode="geometric", low=0.5, high=1.47)
+    w, d = corr.apply_correction(corr.Correction("geo_reject", low=0.5, high=1.47), RHO_S, RHO_R, RHO_MASK)
+    ref, ref_d = corr.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode="geometric", low=0.5, high=1.47)
     np.testing.assert_array_equal(w, ref)
     assert set(d) == {f"corr/{k}" for k in ref_d}
-    w, d = mm.apply_correction(mm.Correction("seq_tis", cap=1.5, normalize=True), RHO_S, RHO_R, RHO_MASK)
-    ref, _ = mm.is_weights(RHO_S, RHO_R, RHO_MASK, level="sequence", cap=1.5, normalize=True)
+    w, d = corr.apply_correction(corr.Correction("seq_tis", cap=1.5, normalize=True), RHO_S, RHO_R, RHO_MASK)
+    ref, _ = corr.is_weights(RHO_S, RHO_R, RHO_MASK, level="sequence", cap=1.5, normalize=True)
     np.testing.assert_allclose(w, ref, rtol=1e-6)
     assert "corr/is_ess" in d
 
 
 def test_unknown_names_and_bad_arguments_raise():
     with pytest.raises(ValueError, match="unknown correction 'bogus'.*token_tis"):
-        mm.Correction("bogus")
+        corr.Correction("bogus")
     with pytest.raises(ValueError, match="low < high"):
-        mm.Correction("token_mis", low=2.0, high=1.0)
+        corr.Correction("token_mis", low=2.0, high=1.0)
     with pytest.raises(ValueError, match="already registered"):
-        mm.register_correction("none")(lambda *a: None)
+        corr.register_correction("none")(lambda *a: None)
     with pytest.raises(ValueError, match="valid modes: token, sequence, geometric, k1, k2, k3"):
-        mm.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode="chi2", threshold=1.0)
+        corr.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode="chi2", threshold=1.0)
     with pytest.raises(ValueError, match="needs both low and high"):
-        mm.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode="token", low=0.5)
+        corr.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode="token", low=0.5)
     with pytest.raises(ValueError, match="low < high"):
-        mm.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode="sequence", low=2.0, high=2.0)
+        corr.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode="sequence", low=2.0, high=2.0)
     with pytest.raises(ValueError, match="needs threshold"):
-        mm.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode="k3", low=0.5, high=2.0)
+        corr.rejection_mask(RHO_S, RHO_R, RHO_MASK, mode="k3", low=0.5, high=2.0)
     with pytest.raises(ValueError, match="level"):
-        mm.is_weights(RHO_S, RHO_R, RHO_MASK, level="batch")
+        corr.is_weights(RHO_S, RHO_R, RHO_MASK, level="batch")
     with pytest.raises(ValueError, match="ratio_threshold"):
         mm.metrics(RHO_S, RHO_R, RHO_MASK, ratio_threshold=1.0)
-    assert dataclasses.replace(mm.Correction("k3_reject"), threshold=0.3).threshold == 0.3
+    assert dataclasses.replace(corr.Correction("k3_reject"), threshold=0.3).threshold == 0.3
 
 
 # ---------------------------------------------------------------------------------------------------------------

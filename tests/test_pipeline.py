@@ -5,12 +5,12 @@ import json
 import numpy as np
 import pytest
 
-from opdjax.pipeline import loop as pipeline
 from opdjax.config import TrainConfig, load
 from opdjax.learner.learner import latest_step
 from opdjax.models import load_state
 from opdjax.models.tiny import make_tiny
-from opdjax.teacher.jax_teacher import VocabMismatchError
+from opdjax.pipeline import loop as pipeline
+from opdjax.teacher import VocabMismatchError
 
 
 def _cfg(pair, tmp_path, *extra):

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from opdjax.pipeline import loop as pipeline
 from opdjax.config import TrainConfig, load
 from opdjax.models.tiny import load_tokenizer, make_tiny
+from opdjax.pipeline import loop as pipeline
 
 
 @pytest.mark.vllm

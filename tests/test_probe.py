@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from opdjax.core import mismatch
-from opdjax.config import TrainConfig, load
 from opdjax.budget.probe import bootstrap_ci, per_sequence_terms, probe
+from opdjax.config import TrainConfig, load
+from opdjax.core import mismatch
 
 
 def test_per_sequence_terms_sum_to_the_token_mean_of_mismatch_metrics():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 import types
 
 import jax
@@ -222,7 +221,7 @@ def test_compiled_qdq_rounds_through_f8_and_never_converts_f8_back(fmt):
     here (it does on every backend's HLO) and this fails.
     """
     x = jax.random.normal(jax.random.key(0), (64, 128), jnp.bfloat16)
-    hooks = Q.get_recipe("fp8_w8a8_kv" if fmt == "e4m3" else "e5m2_w8a8").forward_hooks()
+    hooks = Q.forward_quant(Q.get_recipe("fp8_w8a8_kv" if fmt == "e4m3" else "e5m2_w8a8"))
     prog = jax.jit(lambda a: jnp.dot(hooks.act("model.layers.0.mlp.up_proj", a), a.T) + Q.qdq(a, fmt).sum())
     hlo = prog.lower(x).compile().as_text()
     assert re.search(r"= f8e\w+\[64,128\]\S* convert\(", hlo), "no rounding to f8 in the compiled program"
@@ -374,7 +373,7 @@ def test_recipe_from_dict_round_trip_and_errors():
 # ---------------------------------------------------------------------------------------------------------------------
 
 def test_forward_quant_hashable_and_usable_inside_jit():
-    fq = Q.get_recipe("fp8_w8a8_kv").forward_hooks()
+    fq = Q.forward_quant(Q.get_recipe("fp8_w8a8_kv"))
     assert hash(fq) == hash(Q.forward_quant("fp8_w8a8_kv")) and fq == Q.forward_quant("fp8_w8a8_kv")
     x = jax.random.normal(jax.random.key(9), (2, 5, 32)) * 3
 
@@ -525,7 +524,8 @@ def test_block_and_channel_scale_overheads_counted():
 
 @pytest.mark.mesh
 def test_sharded_per_channel_qdq_equals_unsharded(cpu_devices):
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     w = (jax.random.normal(jax.random.key(12), (64, 256)) * jnp.linspace(0.01, 2.0, 256)).astype(jnp.bfloat16)

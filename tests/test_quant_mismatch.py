@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from opdjax.core import mismatch
 from opdjax import quant
+from opdjax.core import mismatch
 from opdjax.core.logprobs import token_logprobs
 from opdjax.models import decoder, hf
 from opdjax.models.tiny import tiny_config
@@ -30,7 +30,7 @@ def test_default_fp8_recipe_changes_logits(model):
     q_state = hf.state_from_named(cfg, quant.apply_to_named(quant.FP8_DEFAULT, named), state, hf_layout=False)
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 16)))
     ref, _ = decoder.forward(graphdef, state, tokens)
-    out, _ = decoder.forward(graphdef, q_state, tokens, quant=quant.FP8_DEFAULT.forward_hooks())
+    out, _ = decoder.forward(graphdef, q_state, tokens, quant=quant.forward_quant(quant.FP8_DEFAULT))
     diff = float(jnp.max(jnp.abs(out - ref)))
     assert 1e-3 < diff < 0.5 * float(jnp.max(jnp.abs(ref)))
 
@@ -44,9 +44,9 @@ def test_k3_grows_from_weights_only_to_w8a8_to_fp8_kv(model):
     for name in ("none", "fp8_weights_only", "fp8_w8a8", "fp8_w8a8_kv"):
         engine = JaxEngine(cfg, state, recipe=name)
         batch = engine.generate(prompts, sampling, seed=0)  # the engine's own samples
-        learner = logp_fn(state, jnp.asarray(batch.tokens_BL), jnp.asarray(batch.valid_BL))
-        k3[name] = float(mismatch.metrics(learner, jnp.asarray(batch.rollout_logp_BL),
-                                          jnp.asarray(batch.completion_mask_BL))["k3"])
+        learner = logp_fn(state, jnp.asarray(batch.tokens_BT), jnp.asarray(batch.valid_BT))
+        k3[name] = float(mismatch.metrics(learner, jnp.asarray(batch.rollout_logp_BT),
+                                          jnp.asarray(batch.completion_mask_BT))["k3"])
     print(k3)
     assert k3["none"] < 1e-9
     assert 0 < k3["fp8_weights_only"] < k3["fp8_w8a8"] < k3["fp8_w8a8_kv"]

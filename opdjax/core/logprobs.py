@@ -1,9 +1,9 @@
 """Shifted token log-probs: the one place where "the log-prob of token l" is computed from logits or hidden states.
 
-Position l of a `*_logp_BL` array is the log-prob of tokens[:, l] under the distribution predicted at l - 1, at
+Position l of a `*_logp_BT` array is the log-prob of tokens[:, l] under the distribution predicted at l - 1, at
 temperature T (logits / T), with 0 at l = 0. The learner, the JAX engine's scoring and the JAX teacher all use
 these functions; `chunked_token_logprobs` computes the same values from final hidden states without
-materialising the [B, L, V] logits.
+materialising the [B, T, V] logits.
 """
 
 from __future__ import annotations
@@ -15,33 +15,33 @@ Array = jax.Array
 
 
 def _pad1(x: Array) -> Array:
-    """Prepend one zero position on axis 1 ([B, L-1, ...] -> [B, L, ...])."""
+    """Prepend one zero position on axis 1 ([B, T-1, ...] -> [B, T, ...])."""
     return jnp.pad(x, ((0, 0), (1, 0)) + ((0, 0),) * (x.ndim - 2))
 
 
-def shifted_logprobs(logits_BLV: Array, tokens_BL: Array, temperature: float = 1.0, *, top_k: int = 0,
+def shifted_logprobs(logits_BTV: Array, tokens_BT: Array, temperature: float = 1.0, *, top_k: int = 0,
                      full: bool = False) -> dict[str, Array]:
     """Log-probs of the given tokens from the logits predicting them, plus optional top-k and full rows.
 
-    lp = log_softmax(float32(logits[:, :-1]) / T);  logp_BL[b, l] = lp[b, l-1, tokens[b, l]], 0 at l = 0.
-    top_k > 0: topk_logp_BLK / topk_ids_BLK, the k most likely tokens of the distribution predicting l.
-    full: logprobs_BLV, the whole shifted lp (zeros at l = 0).
+    lp = log_softmax(float32(logits[:, :-1]) / T);  logp_BT[b, l] = lp[b, l-1, tokens[b, l]], 0 at l = 0.
+    top_k > 0: topk_logp_BTK / topk_ids_BTK, the k most likely tokens of the distribution predicting l.
+    full: logprobs_BTV, the whole shifted lp (zeros at l = 0).
     """
-    lp_BLV = jax.nn.log_softmax(logits_BLV[:, :-1].astype(jnp.float32) / jnp.float32(temperature), axis=-1)
-    out = {"logp_BL": _pad1(jnp.take_along_axis(lp_BLV, tokens_BL[:, 1:, None], axis=-1)[..., 0])}
+    lp_BTV = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32) / jnp.float32(temperature), axis=-1)
+    out = {"logp_BT": _pad1(jnp.take_along_axis(lp_BTV, tokens_BT[:, 1:, None], axis=-1)[..., 0])}
     if top_k > 0:
-        vals, ids = jax.lax.top_k(lp_BLV, top_k)
-        out["topk_logp_BLK"], out["topk_ids_BLK"] = _pad1(vals), _pad1(ids.astype(jnp.int32))
+        vals, ids = jax.lax.top_k(lp_BTV, top_k)
+        out["topk_logp_BTK"], out["topk_ids_BTK"] = _pad1(vals), _pad1(ids.astype(jnp.int32))
     if full:
-        out["logprobs_BLV"] = _pad1(lp_BLV)
+        out["logprobs_BTV"] = _pad1(lp_BTV)
     return out
 
 
-def token_logprobs(logits_BLV: Array, tokens_BL: Array, temperature: float = 1.0,
+def token_logprobs(logits_BTV: Array, tokens_BT: Array, temperature: float = 1.0,
                    full: bool = False) -> tuple[Array, Array | None]:
-    """(logp_BL, the full shifted log-softmax [B, L, V] or None): `shifted_logprobs` as a pair."""
-    out = shifted_logprobs(logits_BLV, tokens_BL, temperature, full=full)
-    return out["logp_BL"], out.get("logprobs_BLV")
+    """(logp_BT, the full shifted log-softmax [B, T, V] or None): `shifted_logprobs` as a pair."""
+    out = shifted_logprobs(logits_BTV, tokens_BT, temperature, full=full)
+    return out["logp_BT"], out.get("logprobs_BTV")
 
 
 LOGPROB_CHUNK_ELEMENTS = 1 << 26  # default chunk: at most 64M logits (256 MB in f32) per chunk
@@ -52,18 +52,18 @@ def logprob_chunk_len(batch: int, length: int, vocab: int, max_elements: int = L
     return int(max(1, min(length, max_elements // max(batch * vocab, 1))))
 
 
-def chunked_token_logprobs(h_BLE: Array, w_EV: Array, tokens_BL: Array, temperature: float = 1.0,
+def chunked_token_logprobs(h_BTE: Array, w_EV: Array, tokens_BT: Array, temperature: float = 1.0,
                            chunk: int | None = None) -> Array:
-    """Token log-probs from final hidden states without materialising the [B, L, V] logits.
+    """Token log-probs from final hidden states without materialising the [B, T, V] logits.
 
-    logp_BL[b, l] = z[tokens[b, l]] - logsumexp(z),  z = (h[b, l-1] @ W) / T  in float32;  logp_BL[:, 0] = 0.
+    logp_BT[b, l] = z[tokens[b, l]] - logsumexp(z),  z = (h[b, l-1] @ W) / T  in float32;  logp_BT[:, 0] = 0.
 
     The L-1 predicting positions are processed `chunk` at a time (default: `logprob_chunk_len`) under
     `jax.checkpoint`, so the forward keeps only [B, chunk, V] logits alive and the backward pass recomputes each
     chunk's logits instead of storing them: peak logits memory B·chunk·V instead of several B·L·V float32 arrays.
-    The same values as `token_logprobs(h @ W, tokens, T)` up to float32 rounding. h [B, L, E], W [E, V].
+    The same values as `token_logprobs(h @ W, tokens, T)` up to float32 rounding. h [B, T, E], W [E, V].
     """
-    B, L, E = h_BLE.shape
+    B, L, E = h_BTE.shape
     V = w_EV.shape[-1]
     n = L - 1
     if n <= 0:
@@ -71,8 +71,8 @@ def chunked_token_logprobs(h_BLE: Array, w_EV: Array, tokens_BL: Array, temperat
     c = logprob_chunk_len(B, n, V) if chunk is None else max(1, min(int(chunk), n))
     k = -(-n // c)
     pad = k * c - n
-    h = jnp.pad(h_BLE[:, :-1], ((0, 0), (0, pad), (0, 0)))
-    t = jnp.pad(tokens_BL[:, 1:], ((0, 0), (0, pad)))
+    h = jnp.pad(h_BTE[:, :-1], ((0, 0), (0, pad), (0, 0)))
+    t = jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, pad)))
     h_KBCE = h.reshape(B, k, c, E).swapaxes(0, 1)
     t_KBC = t.reshape(B, k, c).swapaxes(0, 1)
     temp = jnp.float32(temperature)

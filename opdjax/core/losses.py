@@ -10,8 +10,8 @@ Every loss has one signature::
   whose ``needs`` lack ``"student_logprobs"``. (Raw logits are accepted too: the losses renormalise, which is a
   no-op on log-probs.)
 - ``batch``: a :class:`LossInputs` or a plain dict with the same keys (see :class:`LossInputs`).
-- ``correction``: a :class:`opdjax.mismatch.Correction` (or its name); per-token weights ``w_t`` from
-  :func:`opdjax.mismatch.apply_correction` (stop-gradient, ``w = mask`` for None / "none") multiply each
+- ``correction``: a :class:`opdjax.core.corrections.Correction` (or its name); per-token weights ``w_t`` from
+  :func:`opdjax.core.corrections.apply_correction` (stop-gradient, ``w = mask`` for None / "none") multiply each
   token's loss. Its metrics (``corr/...``) join the loss metrics.
 - ``loss`` is a scalar: Σ_t w_t·ℓ_t / max(Σ mask, 1), weighted per-token terms over the *unweighted* token
   count, so a rejection correction that drops tokens shrinks the loss instead of re-scaling the survivors.
@@ -36,7 +36,6 @@ This is a pure module: it imports only :mod:`opdjax.mismatch`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any, Callable, Mapping
@@ -45,7 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opdjax.core.mismatch import Correction, apply_correction, masked_mean
+from opdjax.core.corrections import Correction, apply_correction
+from opdjax.core.mismatch import masked_mean
+from opdjax.core.types import BATCH_FIELDS, Batch
 
 Array = jax.Array
 Metrics = dict[str, Array]
@@ -67,32 +68,10 @@ _TAIL_EPS = 1e-6
 """Tail masses below this count as 0 (float32 sums of k=V probabilities miss 1 by ~1e-7)."""
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LossInputs:
-    """Per-batch arrays a loss reads (a dict with these keys works the same). A pytree: passes through ``jit``.
+LossInputs = Batch
+"""What a loss reads: the one training `Batch` (a dict with its field names works the same)."""
 
-    tokens_BT               int     token ids (carried for callers; no loss reads it)
-    mask_BT                 bool/0-1  completion tokens to train on                          (always required)
-    rollout_logp_BT         float   engine log-prob of tokens_BT[b, t]                       (for corrections)
-    teacher_logp_BT         float   teacher log-prob of tokens_BT[b, t]
-    teacher_topk_ids_BTK    int     teacher's top-k token ids at each position (distinct)
-    teacher_topk_logp_BTK   float   their teacher log-probs, normalised over the *full* vocabulary
-    teacher_logits_BTV      float   teacher logits (or log-probs) over the full vocabulary
-    reward_B                float   task reward per row
-    """
-
-    mask_BT: Any
-    tokens_BT: Any = None
-    rollout_logp_BT: Any = None
-    teacher_logp_BT: Any = None
-    teacher_topk_ids_BTK: Any = None
-    teacher_topk_logp_BTK: Any = None
-    teacher_logits_BTV: Any = None
-    reward_B: Any = None
-
-
-_BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(LossInputs))
+_BATCH_FIELDS = BATCH_FIELDS
 
 
 def _get(batch: LossInputs | Mapping[str, Any], key: str):
@@ -325,9 +304,12 @@ def group_advantages(reward_B: Array, group_size: int = 1, eps: float = 1e-6) ->
 @register_loss("reverse_kl_sampled", needs=frozenset({"teacher_logp"}))
 def reverse_kl_sampled(
     student_logp_BT, student_logprobs_BTV, batch, *, correction: Correction | None = None, discount: float = 0.0,
-    baseline: str = "none",
+    baseline: str = "batch",
 ) -> tuple[Array, Metrics]:
     """Sampled-token reverse KL as a per-token advantage (the common OPD recipe).
+
+    Default ``baseline="batch"`` (the library's and the CLI's one default): without it the sampled estimator's
+    variance stalls OPD on a plateau; ``baseline="none"`` is the textbook estimator below.
 
     d_t = teacher_logp_t - student_logp_t (0 off the mask);  A_t = sg(d_t), or with ``discount`` γ ∈ (0, 1]
     A_t = sg(Σ_{s≥t} γ^{s-t} d_s) within each row (see :func:`discounted_returns`).

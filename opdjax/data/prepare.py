@@ -16,39 +16,39 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
+from opdjax.core.types import Batch
 from opdjax.data import tasks
 from opdjax.data.prompts import PromptStream, sft_batch
+from opdjax.learner import Learner, make_optimizer
 from opdjax.models import decoder, hf
 from opdjax.models.tiny import load_tokenizer, make_tiny, train_tokenizer
 
 _FORMAT = 1  # bump when the preparation procedure changes
+SFT_OPTIM = dict(schedule="cosine", warmup_steps=20, grad_clip=1.0, weight_decay=0.0, b1=0.9, b2=0.99)
+"""The supervised recipe that makes the built-in pair (AdamW; the learning rate comes from `prepare.lr`)."""
 
 
-def teacher_forced_accuracy(graphdef, params, batch: dict[str, np.ndarray]) -> float:
+def teacher_forced_accuracy(graphdef, params, batch: Batch) -> float:
     """Fraction of rows whose every completion token (answer + EOS) is the argmax given the true prefix.
 
     This equals greedy-decoding exact match: greedy decoding reproduces the answer iff each step's argmax does.
     """
-    logits, _ = decoder.forward(graphdef, params, jnp.asarray(batch["tokens_BL"]),
-                                valid_BT=jnp.asarray(batch["valid_BL"]))
+    logits, _ = decoder.forward(graphdef, params, jnp.asarray(batch.tokens_BT), valid_BT=jnp.asarray(batch.valid_BT))
     pred = np.asarray(jnp.argmax(logits[:, :-1], -1))
-    ok = (pred == batch["tokens_BL"][:, 1:]) | ~batch["completion_mask_BL"][:, 1:]
+    ok = (pred == batch.tokens_BT[:, 1:]) | ~batch.mask_BT[:, 1:]
     return float(ok.all(axis=1).mean())
 
 
 def sft_train(path: pathlib.Path, tokenizer, task, steps: int, *, batch_size: int, lr: float, seed: int,
               log=print) -> float:
     """Supervised training of the checkpoint at `path` on the task's train split; returns held-out accuracy."""
-    from opdjax.config import OptimConfig
-    from opdjax.learner.learner import Learner
-
     cfg = hf.ModelConfig.from_dir(path)
     graphdef, params = hf.load_state(path)
     heldout = sft_batch(tokenizer, task.examples(256, seed, "heldout"))
     if steps == 0:
         return teacher_forced_accuracy(graphdef, params, heldout)
-    learner = Learner(graphdef, loss="sft", optim=OptimConfig(lr=lr, schedule="cosine", warmup_steps=20),
-                      total_steps=steps)
+    tx, schedule = make_optimizer(lr=lr, total_steps=steps, **SFT_OPTIM)
+    learner = Learner(graphdef, loss="sft", tx=tx, schedule=schedule)
     state = learner.init(params)
     stream = PromptStream(task, seed=seed)
     t0 = time.time()

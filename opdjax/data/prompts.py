@@ -1,4 +1,4 @@
-"""Token-level data: prompts and supervised examples from a task, padded into the learner's [B, L] layout."""
+"""Token-level data: prompts and supervised examples from a task, padded into the learner's [B, T] layout."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
+from opdjax.core.types import Batch
 from opdjax.data.tasks import Example, Task
 
 
@@ -15,10 +16,10 @@ def encode_prompts(tokenizer, examples: Sequence[Example]) -> list[list[int]]:
     return [tokenizer(ex.prompt, add_special_tokens=False).input_ids for ex in examples]
 
 
-def sft_batch(tokenizer, examples: Sequence[Example], length: int | None = None) -> dict[str, np.ndarray]:
+def sft_batch(tokenizer, examples: Sequence[Example], length: int | None = None) -> Batch:
     """[left-padded prompt | answer + EOS | right pad] rows; the completion mask covers answer + EOS.
 
-    Returns tokens_BL, valid_BL, completion_mask_BL and a zero rollout_logp_BL (no engine produced them).
+    Returns tokens_BT, valid_BT, completion_mask_BT and a zero rollout_logp_BT (no engine produced them).
     """
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     prompts = encode_prompts(tokenizer, examples)
@@ -37,8 +38,7 @@ def sft_batch(tokenizer, examples: Sequence[Example], length: int | None = None)
         tokens[b, P:P + len(a)] = a
         valid[b, P - len(p):P + len(a)] = True
         comp[b, P:P + len(a)] = True
-    return dict(tokens_BL=tokens, valid_BL=valid, completion_mask_BL=comp,
-                rollout_logp_BL=np.zeros((B, L), np.float32))
+    return Batch(tokens_BT=tokens, valid_BT=valid, mask_BT=comp, rollout_logp_BT=np.zeros((B, L), np.float32))
 
 
 @dataclasses.dataclass

@@ -14,6 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from opdjax.core import layout
+from opdjax.core.errors import ConfigError
+
 # model_type -> (architecture class name, family defaults). Adding a family means adding a row here and a name
 # table in `opdjax.models.hf`.
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -22,12 +25,6 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": {"architecture": "Qwen3ForCausalLM", "attention_bias": False, "qk_norm": True},
 }
 ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class ConfigError(ValueError):
-    """A configuration opdjax cannot use — a train-config key that does not exist, a value of the wrong type or
-    outside its choices, a model config.json it cannot represent — naming the field and what was expected.
-    The one ConfigError class (`opdjax.config.ConfigError` is this class)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +74,7 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count (embeddings included, tied lm_head counted once)."""
-        E, F, H, K, D, V = (self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads,
-                            self.head_dim, self.vocab_size)
-        attn = E * H * D + 2 * E * K * D + H * D * E + (H * D + 2 * K * D if self.attention_bias else 0)
-        attn += 2 * D if self.qk_norm else 0
-        layer = attn + 3 * E * F + 2 * E
-        return V * E * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + E
+        return layout.num_params(self)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A transformers-v5 style config.json dict that transformers and vLLM load."""

@@ -20,6 +20,7 @@ from flax import nnx
 from opdjax.models import decoder, safetensors_io
 from opdjax.models.config import ModelConfig
 from opdjax.models.safetensors_io import CheckpointError
+from opdjax.models.sharding import param_shardings
 
 # HF name                                              opdjax param path                transform
 _COMMON = {
@@ -158,7 +159,6 @@ def load_state(path: str | pathlib.Path, cfg: ModelConfig | None = None, *, para
     if mesh is None:
         state = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, dtype=np_dtype)), state)
     else:
-        from opdjax.models.sharding import param_shardings
         shardings = param_shardings(template, mesh)
         state = jax.tree.map(
             lambda v, s: v.replace(value=_place(v.get_value(), s, np_dtype)), state, shardings,

@@ -16,6 +16,8 @@ from typing import Mapping
 import ml_dtypes
 import numpy as np
 
+from opdjax.core.errors import InputError
+
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
@@ -25,7 +27,7 @@ DTYPES: dict[str, np.dtype] = {
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint file or directory that is corrupt, truncated or does not match the model."""
 
 

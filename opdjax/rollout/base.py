@@ -1,8 +1,8 @@
 """The rollout engine protocol and the batch every engine returns.
 
 A batch holds whole sequences (prompt + completion) on one padded time axis L. Position l of
-`rollout_logp_BL` is the engine's log-probability of `tokens_BL[:, l]` (after temperature and top-k/top-p
-renormalisation, as vLLM's `processed_logprobs`), set only where `completion_mask_BL` is true.
+`rollout_logp_BT` is the engine's log-probability of `tokens_BT[:, l]` (after temperature and top-k/top-p
+renormalisation, as vLLM's `processed_logprobs`), set only where `completion_mask_BT` is true.
 """
 
 from __future__ import annotations
@@ -51,26 +51,26 @@ class SamplingParams:
 class RolloutBatch:
     """Sequences sampled by an engine, padded to a common length L.
 
-    tokens_BL           int32   prompt + completion token ids (pad id where invalid)
-    valid_BL            bool    real tokens (prompt or completion)
-    completion_mask_BL  bool    sampled completion tokens (including a sampled stop token)
-    rollout_logp_BL     float32 engine log-prob of tokens_BL[b, l] where completion_mask_BL, else 0
+    tokens_BT           int32   prompt + completion token ids (pad id where invalid)
+    valid_BT            bool    real tokens (prompt or completion)
+    completion_mask_BT  bool    sampled completion tokens (including a sampled stop token)
+    rollout_logp_BT     float32 engine log-prob of tokens_BT[b, l] where completion_mask_BT, else 0
     version_B           int64   weight version each row was sampled with
     prompt_index_B      int64   index of each row's prompt in the request (graders use it)
     meta                dict    engine name, sampling params, anything a grader or logger wants
     """
 
-    tokens_BL: np.ndarray
-    valid_BL: np.ndarray
-    completion_mask_BL: np.ndarray
-    rollout_logp_BL: np.ndarray
+    tokens_BT: np.ndarray
+    valid_BT: np.ndarray
+    completion_mask_BT: np.ndarray
+    rollout_logp_BT: np.ndarray
     version_B: np.ndarray
     prompt_index_B: np.ndarray
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        B, L = np.shape(self.tokens_BL)
-        for name in ("valid_BL", "completion_mask_BL", "rollout_logp_BL"):
+        B, L = np.shape(self.tokens_BT)
+        for name in ("valid_BT", "completion_mask_BT", "rollout_logp_BT"):
             if np.shape(getattr(self, name)) != (B, L):
                 raise ValueError(f"RolloutBatch.{name} has shape {np.shape(getattr(self, name))}, expected {(B, L)}")
         for name in ("version_B", "prompt_index_B"):
@@ -79,11 +79,11 @@ class RolloutBatch:
 
     @property
     def batch_size(self) -> int:
-        return int(self.tokens_BL.shape[0])
+        return int(self.tokens_BT.shape[0])
 
     def completions(self) -> list[list[int]]:
         """Completion token ids of each row, in order."""
-        return [row[m].tolist() for row, m in zip(self.tokens_BL, self.completion_mask_BL)]
+        return [row[m].tolist() for row, m in zip(self.tokens_BT, self.completion_mask_BT)]
 
 
 class RolloutEngine(Protocol):
@@ -97,5 +97,5 @@ class RolloutEngine(Protocol):
     def update_weights(self, named_arrays: Mapping[str, Any], version: int) -> None:
         """Atomically replace the served weights (HF names -> arrays); on any error keep the old ones."""
 
-    def score(self, tokens_BL: np.ndarray, valid_BL: np.ndarray, *, temperature: float = 1.0, top_k: int = 0):
+    def score(self, tokens_BT: np.ndarray, valid_BT: np.ndarray, *, temperature: float = 1.0, top_k: int = 0):
         """Log-prob of each given token under the served weights (and top-k ids/log-probs when top_k > 0)."""

@@ -42,7 +42,10 @@ from opdjax import quant
 from opdjax.core.logprobs import shifted_logprobs
 from opdjax.models import decoder, hf
 from opdjax.models.config import ModelConfig
+from opdjax.models.sharding import batch_sharding, shard_state
+from opdjax.quant import forward_quant
 from opdjax.rollout.base import RolloutBatch, SamplingParams, check_token_ids
+from opdjax.rollout.perturb import add_weight_noise
 
 Array = jax.Array
 
@@ -234,15 +237,15 @@ def _generate_jit(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sa
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "hooks", "temperature", "top_k"))
-def _score_jit(params, tokens_BL, valid_BL, *, graphdef, hooks, temperature, top_k):
+def _score_jit(params, tokens_BT, valid_BT, *, graphdef, hooks, temperature, top_k):
     """Full forward; log-prob of tokens[:, l] from logits[:, l-1] / T where both positions are valid (else 0)."""
-    logits_BLV, _ = decoder.forward(graphdef, params, tokens_BL, valid_BT=valid_BL, quant=hooks)
-    s = shifted_logprobs(logits_BLV, tokens_BL, temperature, top_k=top_k)
-    scored = jnp.pad(valid_BL[:, 1:] & valid_BL[:, :-1], ((0, 0), (1, 0)))
-    out = {"logp_BL": jnp.where(scored, s["logp_BL"], 0.0)}
+    logits_BTV, _ = decoder.forward(graphdef, params, tokens_BT, valid_BT=valid_BT, quant=hooks)
+    s = shifted_logprobs(logits_BTV, tokens_BT, temperature, top_k=top_k)
+    scored = jnp.pad(valid_BT[:, 1:] & valid_BT[:, :-1], ((0, 0), (1, 0)))
+    out = {"logp_BT": jnp.where(scored, s["logp_BT"], 0.0)}
     if top_k > 0:
-        out["topk_logp_BLK"] = jnp.where(scored[..., None], s["topk_logp_BLK"], 0.0)
-        out["topk_ids_BLK"] = jnp.where(scored[..., None], s["topk_ids_BLK"], 0)
+        out["topk_logp_BTK"] = jnp.where(scored[..., None], s["topk_logp_BTK"], 0.0)
+        out["topk_ids_BTK"] = jnp.where(scored[..., None], s["topk_ids_BTK"], 0)
     return out
 
 
@@ -292,7 +295,7 @@ class JaxEngine:
         self.dtype = jnp.dtype(dtype)
         self.cache_dtype = jnp.dtype(cache_dtype if cache_dtype is not None else dtype)
         self.recipe = quant.as_recipe(recipe)
-        self.hooks = None if self.recipe.is_noop else self.recipe.forward_hooks()
+        self.hooks = None if self.recipe.is_noop else forward_quant(self.recipe)
         if not self.recipe.is_noop:  # never a silent no-op: the rounding must survive this backend's compiler
             quant.check_effective(self.recipe, self.dtype,
                                   backend=None if mesh is None else mesh.devices.flat[0].platform)
@@ -363,12 +366,11 @@ class JaxEngine:
             key = jax.random.key(self.noise_seed)
             if self.noise_mode == "per_version":
                 key = jax.random.fold_in(key, version & 0xFFFFFFFF)
-            state = quant.add_weight_noise(state, self.weight_noise, key, mode="relative")
+            state = add_weight_noise(state, self.weight_noise, key, mode="relative")
         if any(spec is not None for _, spec in self.recipe.weights):
             named = quant.apply_to_named(self.recipe, hf.named_params(self.cfg, state, hf_layout=False))
             state = hf.state_from_named(self.cfg, named, self._template, hf_layout=False, source="quantized weights")
         if self.mesh is not None:
-            from opdjax.models.sharding import shard_state
             state = shard_state(state, self.mesh)
         return jax.block_until_ready(state)
 
@@ -394,7 +396,6 @@ class JaxEngine:
     def _put(self, *arrays: np.ndarray):
         if self.mesh is None:
             return tuple(jnp.asarray(a) for a in arrays)
-        from opdjax.models.sharding import batch_sharding
         return tuple(jax.device_put(a, batch_sharding(self.mesh, a.shape)) for a in arrays)
 
     def _check_ids(self, what: str, ids: np.ndarray) -> None:
@@ -430,13 +431,13 @@ class JaxEngine:
             hooks=self.hooks, sampling=sampling, stop_ids=stop_ids, pad_id=self.pad_id, cache_dtype=self.cache_dtype)
         out_tok, out_lp, out_mask = (np.asarray(a)[:n] for a in (out_tok, out_lp, out_mask))
         self.last_stats = {"batch_bucket": B, "prompt_bucket": P, "decode_steps": int(steps)}
-        tokens_BL = np.concatenate([tokens_BP[:n], out_tok], axis=1)
-        completion_BL = np.concatenate([np.zeros((n, P), bool), out_mask], axis=1)
+        tokens_BT = np.concatenate([tokens_BP[:n], out_tok], axis=1)
+        completion_BT = np.concatenate([np.zeros((n, P), bool), out_mask], axis=1)
         return RolloutBatch(
-            tokens_BL=tokens_BL,
-            valid_BL=np.concatenate([valid_BP[:n], out_mask], axis=1),
-            completion_mask_BL=completion_BL,
-            rollout_logp_BL=np.concatenate([np.zeros((n, P), np.float32), out_lp.astype(np.float32)], axis=1),
+            tokens_BT=tokens_BT,
+            valid_BT=np.concatenate([valid_BP[:n], out_mask], axis=1),
+            completion_mask_BT=completion_BT,
+            rollout_logp_BT=np.concatenate([np.zeros((n, P), np.float32), out_lp.astype(np.float32)], axis=1),
             version_B=np.full((n,), version, np.int64),
             prompt_index_B=np.arange(n, dtype=np.int64),
             meta={"engine": self.name, "sampling": dataclasses.asdict(sampling), "seed": int(seed),
@@ -446,30 +447,30 @@ class JaxEngine:
         )
 
     # -- scoring -------------------------------------------------------------------------------------------------
-    def score(self, tokens_BL: np.ndarray, valid_BL: np.ndarray, *, temperature: float = 1.0,
+    def score(self, tokens_BT: np.ndarray, valid_BT: np.ndarray, *, temperature: float = 1.0,
               top_k: int = 0) -> dict[str, Any]:
         """Log-probs of given tokens under the served weights and hooks, with logits / temperature.
 
-        logp_BL[b, l] = log softmax(logits[b, l-1] / T)[tokens[b, l]] where valid[b, l] and valid[b, l-1], else 0
-        (no truncation: top-k/top-p of a sampling run are not applied). top_k > 0 adds topk_ids_BLK / topk_logp_BLK,
-        the k most likely tokens of the same distribution (the one predicting position l; zeros where logp_BL is
+        logp_BT[b, l] = log softmax(logits[b, l-1] / T)[tokens[b, l]] where valid[b, l] and valid[b, l-1], else 0
+        (no truncation: top-k/top-p of a sampling run are not applied). top_k > 0 adds topk_ids_BTK / topk_logp_BTK,
+        the k most likely tokens of the same distribution (the one predicting position l; zeros where logp_BT is
         unscored). Also returns the served `version`.
         """
         if not temperature > 0:
             raise ValueError(f"score: temperature must be > 0, got {temperature}")
         if top_k < 0 or top_k > self.cfg.vocab_size:
             raise ValueError(f"score: top_k must be in [0, {self.cfg.vocab_size}], got {top_k}")
-        tokens_BL, valid_BL = np.asarray(tokens_BL), np.asarray(valid_BL, bool)
-        if tokens_BL.ndim != 2 or tokens_BL.shape != valid_BL.shape:
-            raise ValueError(f"score: tokens_BL {tokens_BL.shape} and valid_BL {valid_BL.shape} must be equal 2-D")
-        self._check_ids("score: tokens_BL", np.where(valid_BL, tokens_BL, 0))
+        tokens_BT, valid_BT = np.asarray(tokens_BT), np.asarray(valid_BT, bool)
+        if tokens_BT.ndim != 2 or tokens_BT.shape != valid_BT.shape:
+            raise ValueError(f"score: tokens_BT {tokens_BT.shape} and valid_BT {valid_BT.shape} must be equal 2-D")
+        self._check_ids("score: tokens_BT", np.where(valid_BT, tokens_BT, 0))
         params, version = self._snapshot()
-        n, L = tokens_BL.shape
+        n, L = tokens_BT.shape
         B, Lb = bucket_batch(n, self._batch_multiple()), bucket_len(L)
         tok = np.full((B, Lb), self.pad_id, np.int32)
         val = np.zeros((B, Lb), bool)
-        tok[:n, :L] = np.where(valid_BL, tokens_BL, self.pad_id)
-        val[:n, :L] = valid_BL
+        tok[:n, :L] = np.where(valid_BT, tokens_BT, self.pad_id)
+        val[:n, :L] = valid_BT
         tok_d, val_d = self._put(tok, val)
         out = _score_jit(params, tok_d, val_d, graphdef=self.graphdef, hooks=self.hooks,
                          temperature=float(temperature), top_k=int(top_k))

@@ -3,7 +3,7 @@
 `VllmEngine` builds one `vllm.LLM` (in-process by default: VLLM_ENABLE_V1_MULTIPROCESSING=0 unless already set),
 works on token ids only (no tokenizer), and returns the same `RolloutBatch` as the embedded `JaxEngine`: prompts
 left-padded to P = ceil8(max prompt length), then max_new_tokens completion slots (pad after a stop). The engine
-runs with `logprobs_mode="processed_logprobs"`, so `rollout_logp_BL` holds each sampled token's log-prob after
+runs with `logprobs_mode="processed_logprobs"`, so `rollout_logp_BT` holds each sampled token's log-prob after
 temperature / top-k / top-p (greedy, temperature 0: the log-softmax at temperature 1); `version_B` is the weight
 version vLLM tagged each output with (`set_weight_version`).
 
@@ -13,7 +13,7 @@ torch through DLPack), applies them with `collective_rpc("reload_weights", weigh
 cache (cached prompt KV of the old weights must not serve new rollouts) and tags outputs with the new version.
 `self.receiver` is the engine's `WeightReceiver`, for the snapshot and TCP transports.
 
-`score(tokens_BL, valid_BL, top_k=k)` uses prompt log-probs (`SamplingParams(max_tokens=1, prompt_logprobs=k)`):
+`score(tokens_BT, valid_BT, top_k=k)` uses prompt log-probs (`SamplingParams(max_tokens=1, prompt_logprobs=k)`):
 the log-prob of each given token and the k most likely tokens, at temperature 1 (vLLM's prompt log-probs do not
 apply a temperature).
 
@@ -29,18 +29,22 @@ import dataclasses
 import os
 import pathlib
 import threading
+import time
+import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from opdjax.sync import InProcessTransport, ModelSpec, Publisher, WeightReceiver
 from opdjax.models.config import ModelConfig
+from opdjax.quant import as_recipe
 from opdjax.rollout.base import RolloutBatch, SamplingParams, check_token_ids
 from opdjax.rollout.jax_engine import bucket_len
-from opdjax.quant import as_recipe
 from opdjax.rollout.vllm_settings import vllm_settings
+from opdjax.sync import InProcessTransport, ModelSpec, Publisher, WeightReceiver
 
-__all__ = ["VllmEngine", "VllmTeacher", "import_vllm", "to_torch"]
+__all__ = ["VllmEngine", "import_vllm", "to_torch"]
 
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 
@@ -60,8 +64,6 @@ def to_torch(a: Any):
     if isinstance(a, torch.Tensor):
         return a
     try:
-        import jax
-
         if isinstance(a, jax.Array):
             try:
                 return torch.from_dlpack(a)
@@ -72,7 +74,6 @@ def to_torch(a: Any):
     a = np.ascontiguousarray(np.asarray(a))
     special = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
     view = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint8) if a.dtype.name in special else a
-    import warnings
 
     with warnings.catch_warnings():  # read-only buffers (memory-mapped snapshots): torch warns, it never writes
         warnings.simplefilter("ignore", UserWarning)
@@ -81,8 +82,6 @@ def to_torch(a: Any):
 
 
 def _np_dtype(dtype: Any) -> np.dtype:
-    import jax.numpy as jnp
-
     return np.dtype(jnp.dtype(str(dtype).replace("torch.", "")))
 
 
@@ -190,8 +189,6 @@ class VllmEngine:
 
     def apply_weights(self, named: Iterable[tuple[str, Any]], version: int) -> None:
         """Receiver target: load validated HF-named tensors with reload_weights, reset the prefix cache, tag."""
-        import time
-
         t0 = time.perf_counter()
         tensors = [(n, to_torch(a)) for n, a in named]
         with self._lock:
@@ -260,19 +257,19 @@ class VllmEngine:
             if spans:
                 version[j] = min(int(s.version) for s in spans)
         return RolloutBatch(
-            tokens_BL=tokens, valid_BL=valid, completion_mask_BL=comp, rollout_logp_BL=logp, version_B=version,
+            tokens_BT=tokens, valid_BT=valid, completion_mask_BT=comp, rollout_logp_BT=logp, version_B=version,
             prompt_index_B=np.arange(n, dtype=np.int64),
             meta={"engine": self.name, "sampling": dataclasses.asdict(sampling), "seed": int(seed),
                   "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype, "version": int(version.min()),
                   "prompt_len": P, "num_cached_tokens_B": cached, "vllm": vllm.__version__})
 
     # -- scoring -------------------------------------------------------------------------------------------------
-    def score(self, tokens_BL: np.ndarray, valid_BL: np.ndarray, *, temperature: float = 1.0,
+    def score(self, tokens_BT: np.ndarray, valid_BT: np.ndarray, *, temperature: float = 1.0,
               top_k: int = 0) -> dict[str, Any]:
         """Log-probs of given tokens under the served weights (JaxEngine.score's layout), via prompt logprobs.
 
-        logp_BL[b, l] = log softmax(logits[b, l-1])[tokens[b, l]] where valid[b, l] and valid[b, l-1], else 0;
-        top_k > 0 adds topk_ids_BLK / topk_logp_BLK (most likely first). Each row's valid tokens must be one
+        logp_BT[b, l] = log softmax(logits[b, l-1])[tokens[b, l]] where valid[b, l] and valid[b, l-1], else 0;
+        top_k > 0 adds topk_ids_BTK / topk_logp_BTK (most likely first). Each row's valid tokens must be one
         contiguous run. Only temperature 1 is supported (vLLM's prompt log-probs ignore temperature).
         """
         from vllm.inputs import TokensPrompt
@@ -283,21 +280,21 @@ class VllmEngine:
                              f"temperature-scaled), got {temperature}")
         if top_k < 0 or top_k > self.max_logprobs:
             raise ValueError(f"score: top_k must be in [0, max_logprobs={self.max_logprobs}], got {top_k}")
-        tokens_BL, valid_BL = np.asarray(tokens_BL), np.asarray(valid_BL, bool)
-        if tokens_BL.ndim != 2 or tokens_BL.shape != valid_BL.shape:
-            raise ValueError(f"score: tokens_BL {tokens_BL.shape} and valid_BL {valid_BL.shape} must be equal 2-D")
-        self._check_ids("score: tokens_BL", np.where(valid_BL, tokens_BL, 0))
-        B, L = tokens_BL.shape
+        tokens_BT, valid_BT = np.asarray(tokens_BT), np.asarray(valid_BT, bool)
+        if tokens_BT.ndim != 2 or tokens_BT.shape != valid_BT.shape:
+            raise ValueError(f"score: tokens_BT {tokens_BT.shape} and valid_BT {valid_BT.shape} must be equal 2-D")
+        self._check_ids("score: tokens_BT", np.where(valid_BT, tokens_BT, 0))
+        B, L = tokens_BT.shape
         reqs, starts = [], []
         for b in range(B):
-            idx = np.flatnonzero(valid_BL[b])
+            idx = np.flatnonzero(valid_BT[b])
             if idx.size == 0:
                 starts.append(None)
                 continue
             if idx[-1] - idx[0] + 1 != idx.size:
                 raise ValueError(f"score: row {b} has non-contiguous valid tokens; expected one contiguous run")
             starts.append(int(idx[0]))
-            reqs.append(TokensPrompt(prompt_token_ids=[int(t) for t in tokens_BL[b, idx]]))
+            reqs.append(TokensPrompt(prompt_token_ids=[int(t) for t in tokens_BT[b, idx]]))
         sp = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=int(top_k), detokenize=False)
         with self._lock:
             outs = self.llm.generate(reqs, sp, use_tqdm=False) if reqs else []
@@ -318,42 +315,7 @@ class VllmEngine:
                     best = sorted(((lp.rank, tok, lp.logprob) for tok, lp in d.items() if lp.rank <= top_k))[:top_k]
                     for k, (_, tok, lpv) in enumerate(best):
                         ids[b, s + i, k], tlp[b, s + i, k] = tok, lpv
-        res: dict[str, Any] = {"logp_BL": logp, "version": served}
+        res: dict[str, Any] = {"logp_BT": logp, "version": served}
         if top_k:
-            res["topk_ids_BLK"], res["topk_logp_BLK"] = ids, tlp
+            res["topk_ids_BTK"], res["topk_logp_BTK"] = ids, tlp
         return res
-
-
-class VllmTeacher:
-    """A fixed teacher served by vLLM, scoring through prompt log-probs (`JaxTeacher.score`'s protocol).
-
-    Provides teacher_logp and teacher_topk; full teacher logits are not available from vLLM.
-    """
-
-    def __init__(self, model_path: str | pathlib.Path, *, dtype: str = "float32", **engine_kw):
-        self.engine = VllmEngine(model_path, dtype=dtype, **engine_kw)
-        self.cfg = self.engine.cfg
-
-    @classmethod
-    def from_engine(cls, engine: VllmEngine) -> "VllmTeacher":
-        """A teacher scoring with an existing engine (one vLLM instance for both roles)."""
-        self = cls.__new__(cls)
-        self.engine, self.cfg = engine, engine.cfg
-        return self
-
-    def score(self, tokens_BL: np.ndarray, valid_BL: np.ndarray, needs: frozenset[str] = frozenset({"teacher_logp"}),
-              top_k: int = 16) -> dict[str, np.ndarray]:
-        if "teacher_logits" in needs:
-            raise ValueError("VllmTeacher cannot provide full teacher logits (needs 'teacher_logits'); use "
-                             "teacher.engine=jax or a loss that needs only teacher_logp / teacher_topk")
-        if np.max(np.where(valid_BL, tokens_BL, 0), initial=0) >= self.cfg.vocab_size:
-            from opdjax.teacher.jax_teacher import VocabMismatchError
-
-            raise VocabMismatchError(f"token id {int(np.max(tokens_BL))} is outside the teacher's vocabulary "
-                                     f"(vocab_size={self.cfg.vocab_size})")
-        k = top_k if "teacher_topk" in needs else 0
-        s = self.engine.score(tokens_BL, valid_BL, top_k=k)
-        out = {"teacher_logp_BL": s["logp_BL"]}
-        if k:
-            out["teacher_topk_ids_BLK"], out["teacher_topk_logp_BLK"] = s["topk_ids_BLK"], s["topk_logp_BLK"]
-        return out

@@ -9,24 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from opdjax import quant
+from opdjax.core import layout
 
-__all__ = ["GROUPS", "MODULES", "VllmSettingsError", "vllm_settings"]
+__all__ = ["VllmSettingsError", "vllm_settings"]
 
-_ATTN = ("q", "k", "v", "o")
-_MLP = ("gate", "up", "down")
-MODULES: dict[str, str] = {**{m: f"self_attn.{m}_proj" for m in _ATTN}, **{m: f"mlp.{m}_proj" for m in _MLP}}
-# vLLM fuses these shards into one layer; all shards of a fused layer must share a scheme.
-GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"),
-                                      "down": ("down",)}
 
 
 class VllmSettingsError(quant.RecipeError):
     """A recipe vLLM cannot reproduce (a split fused layer, a spec or KV-cache setting with no vLLM equivalent)."""
-
-
-def _linear_modules(mcfg) -> list[str]:
-    return [n[: -len(".weight")] for n in quant.llama_weight_shapes(mcfg)
-            if n.endswith("_proj.weight") and n.startswith("model.layers.")]
 
 
 def vllm_settings(mcfg, recipe: quant.Recipe) -> dict[str, Any]:
@@ -41,15 +31,15 @@ def vllm_settings(mcfg, recipe: quant.Recipe) -> dict[str, Any]:
     checkpoint and no longer quantizes online.) Raises VllmSettingsError when a fused layer's shards disagree (vLLM
     would refuse it) or a spec other than e4m3 per-tensor W8A8 is used.
     """
-    mods = _linear_modules(mcfg)
+    mods = layout.linear_modules(mcfg)
     kept = [m for m in mods if quant.module_spec(recipe, m) is None]
     for m in mods:
         spec = quant.module_spec(recipe, m)
         if spec is not None and (spec.fmt, spec.granularity) != ("e4m3", "tensor"):
             raise VllmSettingsError(f"module {m}: spec {spec} has no vLLM fp8_per_tensor equivalent")
     for i in range(mcfg.num_layers):
-        for g, ms in GROUPS.items():
-            shards = [f"model.layers.{i}.{MODULES[m]}" for m in ms]
+        for g, ms in layout.FUSED_GROUPS.items():
+            shards = [f"{layout.LAYER.format(i=i)}.{layout.MODULES[m]}" for m in ms]
             states = {s in kept for s in shards}
             if len(states) > 1:
                 raise VllmSettingsError(f"layer {i}: the shards of vLLM's fused {g} layer ({', '.join(shards)}) are "

@@ -20,6 +20,8 @@ byte of the payload is looked at.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import functools
 import json
@@ -31,7 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Mapping
 
 import numpy as np
+from flax import nnx
 
+from opdjax.core.errors import InputError
+from opdjax.models import decoder, hf
 from opdjax.models.safetensors_io import DTYPES
 
 FORMAT = "opdjax-bridge/1"
@@ -39,7 +44,7 @@ FP8_DTYPES = {"e4m3": "F8_E4M3", "e5m2": "F8_E5M2", "int8": "I8"}
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 
-class BridgeError(ValueError):
+class BridgeError(InputError):
     """A weight update that was refused (bad manifest, corrupt or truncated payload, bad token, ...)."""
 
 
@@ -75,9 +80,6 @@ def _libdeflate_crc32():
     no libdeflate, or OPDJAX_BRIDGE_CRC=zlib. Checked against zlib before use; ctypes releases the GIL."""
     if os.environ.get("OPDJAX_BRIDGE_CRC", "").lower() == "zlib":
         return None
-    import ctypes
-    import ctypes.util
-
     for name in ("libdeflate.so.0", ctypes.util.find_library("deflate")):
         try:
             fn = ctypes.CDLL(name).libdeflate_crc32 if name else None
@@ -320,10 +322,6 @@ class ModelSpec:
     @classmethod
     def from_config(cls, cfg, dtype: Any) -> "ModelSpec":
         """The spec of a decoder config (`opdjax.models.ModelConfig`) served in `dtype`, from the HF name table."""
-        from flax import nnx
-
-        from opdjax.models import decoder, hf
-
         state = nnx.state(decoder.abstract(cfg))
         flat = dict(nnx.to_flat_state(state))
         shapes = {}

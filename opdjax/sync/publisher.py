@@ -11,25 +11,25 @@ only process 0 publishes).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from opdjax import quant
-from opdjax.sync.manifest import Manifest, build_manifest
 from opdjax.models import hf
 from opdjax.models.config import ModelConfig
+from opdjax.sync.manifest import BridgeError, Manifest, build_manifest
 
 __all__ = ["hf_stream", "prepare", "Publisher"]
 
 
 def _gathered(x: Any) -> Any:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return multihost_utils.process_allgather(x, tiled=True)
     return x
 
@@ -39,13 +39,6 @@ def _cast(x: Any, dtype: np.dtype) -> Any:
         return x if x.dtype == dtype else x.astype(dtype)
     x = np.asarray(x)
     return x if x.dtype == dtype else jnp.asarray(x).astype(dtype)  # JAX rounding (RNE), as the learner's cast
-
-
-def _weight_spec(recipe: quant.Recipe, name: str, ndim: int) -> quant.QSpec | None:
-    """The recipe's spec for a 2-D `<module>.weight` (None: high precision), as `quant.quantize_named` selects."""
-    if ndim != 2 or not name.endswith(".weight"):
-        return None
-    return quant.module_spec(recipe, name[: -len(".weight")])
 
 
 def hf_stream(cfg: ModelConfig, params: nnx.State | Mapping[str, Any], *, dtype: Any = "bfloat16",
@@ -66,15 +59,13 @@ def hf_stream(cfg: ModelConfig, params: nnx.State | Mapping[str, Any], *, dtype:
         nm = hf.name_map(cfg)
         missing = [n for n in nm if n not in params]
         if missing:
-            from opdjax.sync.manifest import BridgeError
-
             raise BridgeError(f"publish: missing tensor(s) {missing[:5]} for a {cfg.model_type} model with "
                               f"{cfg.num_layers} layers")
         get = lambda name: params[name]  # noqa: E731  HF layout
         in_hf_layout = True
     for name, (_, t) in nm.items():
         x = _cast(_gathered(get(name)), dt)
-        spec = _weight_spec(rec, name, np.ndim(x))
+        spec = quant.weight_spec(rec, name, np.ndim(x))
         if spec is None:
             yield name, (x.T if (t == "T" and not in_hf_layout) else x), {}
             continue
@@ -114,8 +105,6 @@ class Publisher:
         self.last_stats: dict[str, Any] = {}
 
     def publish(self, params: nnx.State | Mapping[str, Any], version: int) -> Manifest | None:
-        import time
-
         t0 = time.perf_counter()
         manifest, arrays = prepare(self.cfg, params, version, dtype=self.dtype, recipe=self.recipe,
                                    checksums=getattr(self.transport, "needs_checksums", True))

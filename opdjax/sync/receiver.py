@@ -28,6 +28,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from opdjax import quant
 from opdjax.sync.manifest import BridgeError, Manifest, ModelSpec, checksum_many, np_dtype, validate
 
 log = logging.getLogger("opdjax.bridge")
@@ -152,7 +153,6 @@ class WeightReceiver:
             if e.quant is None or fp8_ok:
                 out.append((e.name, a))
                 continue
-            from opdjax import quant
 
             _, s = by_name[e.name + "_scale"]
             block = tuple(e.quant["block"]) if e.quant.get("granularity") == "block" else None

@@ -1,0 +1,8 @@
+"""The teacher: the `Teacher` protocol and typed scores (`base`), `JaxTeacher` (`jax_teacher`), `VllmTeacher`
+(`vllm_teacher`, imports vLLM)."""
+
+from opdjax.teacher.base import Teacher, TeacherScores, VocabMismatchError, check_in_vocab, check_same_vocab
+from opdjax.teacher.jax_teacher import JaxTeacher, scores_from_logits
+
+__all__ = ["JaxTeacher", "Teacher", "TeacherScores", "VocabMismatchError", "check_in_vocab", "check_same_vocab",
+           "scores_from_logits"]

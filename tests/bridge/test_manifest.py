@@ -7,10 +7,20 @@ import pytest
 from flax import nnx
 
 from opdjax import quant
-from opdjax.sync import (ArrayTarget, BridgeError, InProcessTransport, Manifest, ModelSpec, Publisher,
-                           WeightReceiver, hf_stream, prepare, validate)
 from opdjax.models import decoder, hf
 from opdjax.models.tiny import tiny_config
+from opdjax.sync import (
+    ArrayTarget,
+    BridgeError,
+    InProcessTransport,
+    Manifest,
+    ModelSpec,
+    Publisher,
+    WeightReceiver,
+    hf_stream,
+    prepare,
+    validate,
+)
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from opdjax.sync import (ArrayTarget, BridgeError, ModelSpec, Publisher, SnapshotTransport, SnapshotWatcher,
-                           TcpReceiverServer, TcpTransport, WeightReceiver, prepare)
-from opdjax.sync import transports as T
 from opdjax.models import decoder, hf
 from opdjax.models.tiny import tiny_config
+from opdjax.sync import (
+    ArrayTarget,
+    BridgeError,
+    ModelSpec,
+    Publisher,
+    SnapshotTransport,
+    SnapshotWatcher,
+    TcpReceiverServer,
+    TcpTransport,
+    WeightReceiver,
+    prepare,
+)
+from opdjax.sync import tcp as T
 
 TOKEN = "s3cret-token"
 

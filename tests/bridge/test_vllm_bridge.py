@@ -13,12 +13,19 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from opdjax import quant  # noqa: E402
-from opdjax.sync import (BridgeError, Publisher, SnapshotTransport, SnapshotWatcher, TcpReceiverServer,  # noqa: E402
-                           TcpTransport, prepare)
 from opdjax.learner.learner import Learner  # noqa: E402
 from opdjax.models import ModelConfig, decoder, hf  # noqa: E402
 from opdjax.models.tiny import make_tiny  # noqa: E402
 from opdjax.rollout import SamplingParams  # noqa: E402
+from opdjax.sync import (  # noqa: E402
+    BridgeError,
+    Publisher,
+    SnapshotTransport,
+    SnapshotWatcher,
+    TcpReceiverServer,
+    TcpTransport,
+    prepare,
+)
 
 pytestmark = pytest.mark.vllm
 TOKEN = "bridge-test-token"
@@ -56,8 +63,8 @@ PROMPTS = [[5, 17, 42, 9], [100, 3, 250, 7, 8, 11], [64, 65, 66]]
 
 def _gap(engine, learner, params):
     b = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6), seed=7)
-    lp = learner.logp(params, b.tokens_BL, b.valid_BL, temperature=1.0)
-    return float(np.abs(lp - b.rollout_logp_BL)[b.completion_mask_BL].mean()), b
+    lp = learner.logp(params, b.tokens_BT, b.valid_BT, temperature=1.0)
+    return float(np.abs(lp - b.rollout_logp_BT)[b.completion_mask_BT].mean()), b
 
 
 def _serves(engine, learner, params, version):

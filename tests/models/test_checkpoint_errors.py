@@ -6,8 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
-from opdjax.models import CheckpointError, ConfigError, ModelConfig, create, load_model, save_model
-from opdjax.models import safetensors_io
+from opdjax.models import CheckpointError, ConfigError, ModelConfig, create, load_model, safetensors_io, save_model
 
 CFG = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
                   num_heads=1, num_kv_heads=1, head_dim=32)

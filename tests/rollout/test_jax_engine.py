@@ -13,8 +13,7 @@ from scipy import stats
 from opdjax.models import decoder, hf
 from opdjax.models.safetensors_io import CheckpointError
 from opdjax.models.tiny import tiny_config
-from opdjax.rollout import JaxEngine, RolloutBatch, SamplingParams
-from opdjax.rollout import jax_engine
+from opdjax.rollout import JaxEngine, RolloutBatch, SamplingParams, jax_engine
 
 V = 64
 PROMPTS = [[3, 7, 1], [9, 9, 2, 4, 8, 1, 6], [5], [10, 11, 12, 13, 14], [2, 2], [30, 31, 32, 33, 34, 35],
@@ -42,7 +41,7 @@ def engine(model):
 
 @pytest.fixture(scope="module")
 def full_logits(model):
-    """Reference: a plain full forward (no cache, no hooks) of whole sequences -> logits [B, L, V] (numpy f64)."""
+    """Reference: a plain full forward (no cache, no hooks) of whole sequences -> logits [B, T, V] (numpy f64)."""
     cfg, g, s, *_ = model
     fwd = jax.jit(lambda p, t, v: decoder.forward(g, p, t, valid_BT=v)[0])
     return lambda tokens, valid: np.asarray(fwd(s, jnp.asarray(tokens), jnp.asarray(valid)), np.float64)
@@ -65,7 +64,7 @@ def np_processed_logp(logits_V, T, top_k=0, top_p=1.0):
 
 
 def completion_positions(batch: RolloutBatch):
-    return [(b, l) for b, l in zip(*np.nonzero(batch.completion_mask_BL))]
+    return [(b, l) for b, l in zip(*np.nonzero(batch.completion_mask_BT))]
 
 
 SAMPLINGS = {
@@ -84,7 +83,7 @@ def runs(engine, full_logits):
     def get(name):
         if name not in cache:
             batch = engine.generate(PROMPTS, SAMPLINGS[name], seed=11)
-            cache[name] = (batch, full_logits(batch.tokens_BL, batch.valid_BL))
+            cache[name] = (batch, full_logits(batch.tokens_BT, batch.valid_BT))
         return cache[name]
 
     return get
@@ -98,10 +97,10 @@ def test_kv_cache_decode_logp_matches_full_forward_recompute(runs, name):
     assert len(pos) == len(PROMPTS) * sp.max_new_tokens  # no stop tokens configured: every row runs to the end
     for b, l in pos:
         ref = np_processed_logp(logits[b, l - 1], sp.temperature, sp.top_k, sp.top_p)
-        tok = batch.tokens_BL[b, l]
+        tok = batch.tokens_BT[b, l]
         assert np.isfinite(ref[tok]), f"sampled token {tok} outside the processed support at ({b}, {l})"
-        np.testing.assert_allclose(batch.rollout_logp_BL[b, l], ref[tok], atol=1e-5, rtol=0)
-    assert np.all(batch.rollout_logp_BL[~batch.completion_mask_BL] == 0)
+        np.testing.assert_allclose(batch.rollout_logp_BT[b, l], ref[tok], atol=1e-5, rtol=0)
+    assert np.all(batch.rollout_logp_BT[~batch.completion_mask_BT] == 0)
 
 
 def test_temperature_scales_logits_before_log_softmax(runs):
@@ -109,15 +108,15 @@ def test_temperature_scales_logits_before_log_softmax(runs):
     for b, l in completion_positions(batch):
         x = logits[b, l - 1] / 0.7
         ref = x - np.log(np.sum(np.exp(x - x.max()))) - x.max()
-        np.testing.assert_allclose(batch.rollout_logp_BL[b, l], ref[batch.tokens_BL[b, l]], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(batch.rollout_logp_BT[b, l], ref[batch.tokens_BT[b, l]], atol=1e-5, rtol=0)
         x1 = logits[b, l - 1]  # and it is not the T=1 log-prob
-        assert abs(batch.rollout_logp_BL[b, l] - (x1 - np.log(np.sum(np.exp(x1))))[batch.tokens_BL[b, l]]) > 1e-4
+        assert abs(batch.rollout_logp_BT[b, l] - (x1 - np.log(np.sum(np.exp(x1))))[batch.tokens_BT[b, l]]) > 1e-4
 
 
 def test_top_k_samples_only_among_the_k_most_likely(runs):
     batch, logits = runs("topk_topp")
     for b, l in completion_positions(batch):
-        rank = int(np.sum(logits[b, l - 1] > logits[b, l - 1, batch.tokens_BL[b, l]]))
+        rank = int(np.sum(logits[b, l - 1] > logits[b, l - 1, batch.tokens_BT[b, l]]))
         assert rank < 5, f"token at ({b}, {l}) has rank {rank} under the full-forward logits"
 
 
@@ -130,10 +129,10 @@ def test_top_p_logp_is_renormalised_over_the_nucleus(runs):
         order = np.argsort(-x)
         cum = np.cumsum(np.exp(full[order]))
         nucleus = order[: int(np.searchsorted(cum, 0.5)) + 1]
-        tok = batch.tokens_BL[b, l]
+        tok = batch.tokens_BT[b, l]
         assert tok in nucleus
         mass = np.exp(full[nucleus]).sum()
-        np.testing.assert_allclose(batch.rollout_logp_BL[b, l], full[tok] - np.log(mass), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(batch.rollout_logp_BT[b, l], full[tok] - np.log(mass), atol=1e-5, rtol=0)
         sizes.append(len(nucleus))
     assert 1 < np.mean(sizes) < V / 2  # the nucleus really truncates
 
@@ -143,9 +142,9 @@ def test_one_step_samples_follow_the_processed_distribution(model, full_logits):
     sp = SamplingParams(max_new_tokens=1, temperature=0.6, top_k=24, top_p=0.9)
     n = 4096
     batch = JaxEngine(cfg, s, graphdef=g).generate([[4, 8, 15, 16, 23, 42]] * n, sp, seed=3)
-    logits = full_logits(batch.tokens_BL[:1], batch.valid_BL[:1])[0, -2]
+    logits = full_logits(batch.tokens_BT[:1], batch.valid_BT[:1])[0, -2]
     p = np.exp(np_processed_logp(logits, sp.temperature, sp.top_k, sp.top_p))
-    counts = np.bincount(batch.tokens_BL[:, -1], minlength=V)
+    counts = np.bincount(batch.tokens_BT[:, -1], minlength=V)
     support = p > 0
     assert counts[~support].sum() == 0
     assert support.sum() > 5
@@ -159,11 +158,11 @@ def test_one_step_samples_follow_the_processed_distribution(model, full_logits):
 
 def test_greedy_takes_the_argmax_with_its_temperature_one_logp(engine, full_logits):
     batch = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0), seed=0)
-    logits = full_logits(batch.tokens_BL, batch.valid_BL)
+    logits = full_logits(batch.tokens_BT, batch.valid_BT)
     for b, l in completion_positions(batch):
         x = logits[b, l - 1]
-        assert batch.tokens_BL[b, l] == np.argmax(x)
-        np.testing.assert_allclose(batch.rollout_logp_BL[b, l], np.max(x) - np.log(np.sum(np.exp(x))), atol=1e-5)
+        assert batch.tokens_BT[b, l] == np.argmax(x)
+        np.testing.assert_allclose(batch.rollout_logp_BT[b, l], np.max(x) - np.log(np.sum(np.exp(x))), atol=1e-5)
 
 
 def test_stop_tokens_end_the_row_and_mask_the_rest(model):
@@ -171,20 +170,20 @@ def test_stop_tokens_end_the_row_and_mask_the_rest(model):
     eng = JaxEngine(cfg, s, graphdef=g, eos_id=5, pad_id=0)
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=(1, 2, 3, 4, 6, 7, 8, 9))
     batch = eng.generate(PROMPTS, sp, seed=5)
-    P = batch.tokens_BL.shape[1] - sp.max_new_tokens
-    assert batch.tokens_BL.shape == (len(PROMPTS), P + sp.max_new_tokens) and P % 8 == 0
+    P = batch.tokens_BT.shape[1] - sp.max_new_tokens
+    assert batch.tokens_BT.shape == (len(PROMPTS), P + sp.max_new_tokens) and P % 8 == 0
     stop = {1, 2, 3, 4, 5, 6, 7, 8, 9}
     stopped = 0
     for b in range(len(PROMPTS)):
-        comp_mask = batch.completion_mask_BL[b, P:]
+        comp_mask = batch.completion_mask_BT[b, P:]
         n = int(comp_mask.sum())
         assert comp_mask[:n].all() and not comp_mask[n:].any()  # a contiguous completion from slot P
-        comp = batch.tokens_BL[b, P:P + n].tolist()
+        comp = batch.tokens_BT[b, P:P + n].tolist()
         assert not any(t in stop for t in comp[:-1])
         if comp[-1] in stop:
             stopped += 1  # the stop token is kept and counted as a completion token
-            assert np.all(batch.tokens_BL[b, P + n:] == 0)
-            assert not batch.valid_BL[b, P + n:].any() and np.all(batch.rollout_logp_BL[b, P + n:] == 0)
+            assert np.all(batch.tokens_BT[b, P + n:] == 0)
+            assert not batch.valid_BT[b, P + n:].any() and np.all(batch.rollout_logp_BT[b, P + n:] == 0)
         else:
             assert n == sp.max_new_tokens
         assert batch.completions()[b] == comp
@@ -192,7 +191,7 @@ def test_stop_tokens_end_the_row_and_mask_the_rest(model):
     # every token a stop token: each row completes with exactly one token and the loop exits after one step
     all_stop = SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=tuple(range(V)))
     batch = eng.generate(PROMPTS, all_stop, seed=5)
-    assert batch.completion_mask_BL.sum(axis=1).tolist() == [1] * len(PROMPTS)
+    assert batch.completion_mask_BT.sum(axis=1).tolist() == [1] * len(PROMPTS)
     assert eng.last_stats["decode_steps"] == 1
 
 
@@ -200,28 +199,28 @@ def test_variable_length_prompts_match_each_prompt_alone(engine):
     prompts = [[3, 1, 4], list(range(10, 19)), list(range(20, 37))]
     sp = SamplingParams(max_new_tokens=8, temperature=1.0)
     batch = engine.generate(prompts, sp, seed=7)
-    P = batch.tokens_BL.shape[1] - 8
+    P = batch.tokens_BT.shape[1] - 8
     assert P == 24
     # each row re-scored with its prompt starting at slot 0 (no left padding; right padding is inert)
     alone_tok = np.zeros((3, 17 + 8), np.int32)
     alone_valid = np.zeros((3, 17 + 8), bool)
     for b, p in enumerate(prompts):
-        row = batch.tokens_BL[b]
-        assert row[P - len(p):P].tolist() == p and not batch.valid_BL[b, :P - len(p)].any()
+        row = batch.tokens_BT[b]
+        assert row[P - len(p):P].tolist() == p and not batch.valid_BT[b, :P - len(p)].any()
         seq = p + batch.completions()[b]
         alone_tok[b, :len(seq)], alone_valid[b, :len(seq)] = seq, True
-    alone = engine.score(alone_tok, alone_valid)["logp_BL"]
+    alone = engine.score(alone_tok, alone_valid)["logp_BT"]
     for b, p in enumerate(prompts):
-        np.testing.assert_allclose(batch.rollout_logp_BL[b, P:], alone[b, len(p):len(p) + 8], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(batch.rollout_logp_BT[b, P:], alone[b, len(p):len(p) + 8], atol=1e-5, rtol=0)
 
 
 def test_seeds_are_reproducible_and_matter(runs, engine):
     batch, _ = runs("t1")
     again = engine.generate(PROMPTS, SAMPLINGS["t1"], seed=11)
     other = engine.generate(PROMPTS, SAMPLINGS["t1"], seed=12)
-    np.testing.assert_array_equal(again.tokens_BL, batch.tokens_BL)
-    np.testing.assert_array_equal(again.rollout_logp_BL, batch.rollout_logp_BL)
-    assert (other.tokens_BL != batch.tokens_BL).mean() > 0.3
+    np.testing.assert_array_equal(again.tokens_BT, batch.tokens_BT)
+    np.testing.assert_array_equal(again.rollout_logp_BT, batch.rollout_logp_BT)
+    assert (other.tokens_BT != batch.tokens_BT).mean() > 0.3
 
 
 def test_batch_fields_and_meta(runs):
@@ -230,7 +229,7 @@ def test_batch_fields_and_meta(runs):
     assert batch.prompt_index_B.tolist() == list(range(len(PROMPTS)))
     assert batch.meta["engine"] == "jax" and batch.meta["sampling"]["top_k"] == 5
     assert batch.meta["recipe"] == "none" and batch.meta["weight_noise"] == 0 and batch.meta["stale_versions"] == 0
-    assert batch.tokens_BL.dtype == np.int32 and batch.rollout_logp_BL.dtype == np.float32
+    assert batch.tokens_BT.dtype == np.int32 and batch.rollout_logp_BT.dtype == np.float32
 
 
 def test_same_buckets_and_new_weights_do_not_recompile(model, engine):
@@ -261,11 +260,11 @@ def test_score_is_temperature_scaled_log_softmax_with_top_k(model, engine, full_
     logp = logits - np.log(np.sum(np.exp(logits), axis=-1, keepdims=True))
     scored = valid[:, 1:] & valid[:, :-1]
     ref = np.where(scored, np.take_along_axis(logp[:, :-1], tokens[:, 1:, None], -1)[..., 0], 0)
-    np.testing.assert_allclose(out["logp_BL"][:, 1:], ref, atol=1e-5)
-    assert np.all(out["logp_BL"][:, 0] == 0) and np.all(out["logp_BL"][1, :6] == 0)
+    np.testing.assert_allclose(out["logp_BT"][:, 1:], ref, atol=1e-5)
+    assert np.all(out["logp_BT"][:, 0] == 0) and np.all(out["logp_BT"][1, :6] == 0)
     top_ids = np.argsort(-logp[:, :-1], axis=-1)[..., :4]
-    np.testing.assert_array_equal(out["topk_ids_BLK"][:, 1:][scored], top_ids[scored])
-    np.testing.assert_allclose(out["topk_logp_BLK"][:, 1:][scored],
+    np.testing.assert_array_equal(out["topk_ids_BTK"][:, 1:][scored], top_ids[scored])
+    np.testing.assert_allclose(out["topk_logp_BTK"][:, 1:][scored],
                                np.take_along_axis(logp[:, :-1], top_ids, -1)[scored], atol=1e-5)
 
 
@@ -273,7 +272,7 @@ def test_bad_update_raises_and_keeps_serving_the_old_weights(model):
     cfg, g, s, s1, _ = model
     eng = JaxEngine(cfg, s, graphdef=g)
     tokens, valid = _probe(model)
-    before = eng.score(tokens, valid)["logp_BL"]
+    before = eng.score(tokens, valid)["logp_BT"]
     good = hf.named_params(cfg, s1)
     unknown = {**good, "model.layers.0.mlp.extra_proj.weight": np.zeros((4, 4), np.float32)}
     wrong = {**good, "model.layers.1.mlp.up_proj.weight": np.zeros((64, 128), np.float32)}  # HF is [128, 64]
@@ -282,12 +281,12 @@ def test_bad_update_raises_and_keeps_serving_the_old_weights(model):
         with pytest.raises(CheckpointError, match=match):
             eng.update_weights(bad, 1)
         assert eng.version == 0
-        np.testing.assert_array_equal(eng.score(tokens, valid)["logp_BL"], before)
+        np.testing.assert_array_equal(eng.score(tokens, valid)["logp_BT"], before)
     assert set(eng.generate(PROMPTS, SAMPLINGS["t1"], seed=0).version_B.tolist()) == {0}
     eng.update_weights(good, 1)
     assert eng.version == 1
-    ref = JaxEngine(cfg, s1, graphdef=g).score(tokens, valid)["logp_BL"]
-    np.testing.assert_array_equal(eng.score(tokens, valid)["logp_BL"], ref)
+    ref = JaxEngine(cfg, s1, graphdef=g).score(tokens, valid)["logp_BT"]
+    np.testing.assert_array_equal(eng.score(tokens, valid)["logp_BT"], ref)
     assert set(eng.generate(PROMPTS, SAMPLINGS["t1"], seed=0).version_B.tolist()) == {1}
 
 
@@ -297,12 +296,12 @@ def test_staleness_serves_the_version_k_behind(model):
     eng = JaxEngine(cfg, s, graphdef=g, stale_versions=1)
     eng.update_weights(hf.named_params(cfg, s1), 1)
     assert eng.version == 0
-    np.testing.assert_array_equal(eng.score(tokens, valid)["logp_BL"],
-                                  JaxEngine(cfg, s, graphdef=g).score(tokens, valid)["logp_BL"])
+    np.testing.assert_array_equal(eng.score(tokens, valid)["logp_BT"],
+                                  JaxEngine(cfg, s, graphdef=g).score(tokens, valid)["logp_BT"])
     eng.update_weights(hf.named_params(cfg, s2), 2)
     assert eng.version == 1 and eng.published_versions == [1, 2]
-    np.testing.assert_array_equal(eng.score(tokens, valid)["logp_BL"],
-                                  JaxEngine(cfg, s1, graphdef=g).score(tokens, valid)["logp_BL"])
+    np.testing.assert_array_equal(eng.score(tokens, valid)["logp_BT"],
+                                  JaxEngine(cfg, s1, graphdef=g).score(tokens, valid)["logp_BT"])
     batch = eng.generate(PROMPTS, SAMPLINGS["t1"], seed=0)
     assert set(batch.version_B.tolist()) == {1} and batch.meta["stale_versions"] == 1
 
@@ -332,23 +331,23 @@ def test_concurrent_updates_give_consistent_versions(model):
 def test_fp8_recipe_and_weight_noise_change_the_engine_distribution(model, engine):
     cfg, g, s, *_ = model
     tokens, valid = _probe(model)
-    base = engine.score(tokens, valid)["logp_BL"]
-    fp8 = JaxEngine(cfg, s, graphdef=g, recipe="fp8_w8a8").score(tokens, valid)["logp_BL"]
+    base = engine.score(tokens, valid)["logp_BT"]
+    fp8 = JaxEngine(cfg, s, graphdef=g, recipe="fp8_w8a8").score(tokens, valid)["logp_BT"]
     d = np.abs(fp8 - base)[:, 1:][valid[:, 1:] & valid[:, :-1]]
     assert 0 < d.max() < 0.5
-    assert np.array_equal(JaxEngine(cfg, s, graphdef=g, weight_noise=0.0).score(tokens, valid)["logp_BL"], base)
-    noisy = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_seed=1).score(tokens, valid)["logp_BL"]
+    assert np.array_equal(JaxEngine(cfg, s, graphdef=g, weight_noise=0.0).score(tokens, valid)["logp_BT"], base)
+    noisy = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_seed=1).score(tokens, valid)["logp_BT"]
     assert np.abs(noisy - base).max() > 1e-3
     again = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_seed=1)
-    np.testing.assert_array_equal(again.score(tokens, valid)["logp_BL"], noisy)
-    other = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_seed=2).score(tokens, valid)["logp_BL"]
+    np.testing.assert_array_equal(again.score(tokens, valid)["logp_BT"], noisy)
+    other = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_seed=2).score(tokens, valid)["logp_BT"]
     assert np.abs(other - noisy).max() > 1e-3
     again.update_weights(hf.named_params(cfg, s), 1)  # default "fixed": same weights, new version -> same offset
-    np.testing.assert_array_equal(again.score(tokens, valid)["logp_BL"], noisy)
+    np.testing.assert_array_equal(again.score(tokens, valid)["logp_BT"], noisy)
     fresh = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_seed=1, noise_mode="per_version")
-    v0 = fresh.score(tokens, valid)["logp_BL"]
+    v0 = fresh.score(tokens, valid)["logp_BT"]
     fresh.update_weights(hf.named_params(cfg, s), 1)  # per_version: a fresh (reproducible) draw per version
-    assert np.abs(fresh.score(tokens, valid)["logp_BL"] - v0).max() > 1e-3
+    assert np.abs(fresh.score(tokens, valid)["logp_BT"] - v0).max() > 1e-3
     with pytest.raises(ValueError, match="noise_mode"):
         JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_mode="sometimes")
 
@@ -359,9 +358,9 @@ def test_quantized_decode_matches_quantized_score(model):
     eng = JaxEngine(cfg, s, graphdef=g, recipe=recipe)
     batch = eng.generate(PROMPTS, SAMPLINGS["t1"], seed=4)
     assert batch.meta["recipe"] == recipe
-    ref = eng.score(batch.tokens_BL, batch.valid_BL)["logp_BL"]
-    m = batch.completion_mask_BL
-    d = np.abs(batch.rollout_logp_BL[m] - ref[m])
+    ref = eng.score(batch.tokens_BT, batch.valid_BT)["logp_BT"]
+    m = batch.completion_mask_BT
+    d = np.abs(batch.rollout_logp_BT[m] - ref[m])
     # Quantization is discontinuous: a 1-ulp difference between the cached and the full-forward matmuls can flip
     # one rounding. With a fixed-scale FP8 KV cache the attention output of a lone token IS an fp8 value, and its
     # per-token re-quantization lands exactly on rounding ties, so a few tokens differ by one fp8 step.
@@ -374,9 +373,9 @@ def test_mesh_sharded_engine_matches_single_device(model, engine, cpu_devices):
     sharded = JaxEngine(cfg, s, graphdef=g, mesh=make_mesh((2, -1, 1)))
     batch = sharded.generate(PROMPTS[:3], SAMPLINGS["t1"], seed=1)
     assert sharded.last_stats["batch_bucket"] == 8
-    ref = engine.score(batch.tokens_BL, batch.valid_BL)["logp_BL"]
-    m = batch.completion_mask_BL
-    np.testing.assert_allclose(batch.rollout_logp_BL[m], ref[m], atol=1e-5, rtol=0)
+    ref = engine.score(batch.tokens_BT, batch.valid_BT)["logp_BT"]
+    m = batch.completion_mask_BT
+    np.testing.assert_allclose(batch.rollout_logp_BT[m], ref[m], atol=1e-5, rtol=0)
 
 
 def test_from_pretrained_serves_the_checkpoint(model, engine, tmp_path):
@@ -385,7 +384,7 @@ def test_from_pretrained_serves_the_checkpoint(model, engine, tmp_path):
     eng = JaxEngine.from_pretrained(tmp_path)
     assert eng.version == 0 and eng.eos_id == 5
     tokens, valid = _probe(model)
-    np.testing.assert_allclose(eng.score(tokens, valid)["logp_BL"], engine.score(tokens, valid)["logp_BL"], atol=1e-6)
+    np.testing.assert_allclose(eng.score(tokens, valid)["logp_BT"], engine.score(tokens, valid)["logp_BT"], atol=1e-6)
 
 
 def test_bad_inputs_raise_clear_errors(model, engine):

@@ -13,12 +13,18 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from opdjax.sync import BridgeError  # noqa: E402
 from opdjax.learner.learner import Learner  # noqa: E402
 from opdjax.models import ModelConfig, decoder, hf  # noqa: E402
 from opdjax.models.tiny import make_tiny  # noqa: E402
 from opdjax.rollout import SamplingParams  # noqa: E402
+from opdjax.sync import BridgeError  # noqa: E402
 from opdjax.teacher.jax_teacher import JaxTeacher  # noqa: E402
+from opdjax.budget import admit, records, search
+from opdjax.budget import io as bio
+from opdjax.budget import probe as probe_mod
+from opdjax.cli import admission as cli_admission
+from opdjax.core import layout
+from opdjax.models import presets
 
 pytestmark = pytest.mark.vllm
 
@@ -57,9 +63,9 @@ def _prompts(n=6, seed=0, lo=3, hi=12):
 
 
 def _gap(learner, params, batch, temperature=1.0):
-    lp = learner.logp(params, batch.tokens_BL, batch.valid_BL, temperature=temperature)
-    m = batch.completion_mask_BL
-    return float(np.abs(lp - batch.rollout_logp_BL)[m].mean())
+    lp = learner.logp(params, batch.tokens_BT, batch.valid_BT, temperature=temperature)
+    m = batch.completion_mask_BT
+    return float(np.abs(lp - batch.rollout_logp_BT)[m].mean())
 
 
 def test_rollout_logprobs_match_learner_after_publish_and_follow_second_publish(engine, cfg, learner):
@@ -69,7 +75,7 @@ def test_rollout_logprobs_match_learner_after_publish_and_follow_second_publish(
     prompts = _prompts()
     sp = SamplingParams(max_new_tokens=8, temperature=1.0)
     b1 = engine.generate(prompts, sp, seed=3)
-    assert b1.completion_mask_BL.sum() == len(prompts) * 8  # no eos in a random tiny model's 8 tokens is not
+    assert b1.completion_mask_BT.sum() == len(prompts) * 8  # no eos in a random tiny model's 8 tokens is not
     assert (b1.version_B == 1).all()                         # guaranteed, but tokens must be there
     assert _gap(learner, p1, b1) <= 1e-4
 
@@ -127,37 +133,37 @@ def test_greedy_reports_full_vocab_logsoftmax(engine, cfg, learner):
     engine.update_weights(hf.named_params(cfg, p), 7)
     b = engine.generate(_prompts(4, seed=9), SamplingParams(max_new_tokens=5, temperature=0.0), seed=0)
     assert _gap(learner, p, b) <= 1e-4
-    logits, _ = decoder.forward(nnx.split(decoder.abstract(cfg))[0], p, jax.numpy.asarray(b.tokens_BL),
-                                valid_BT=jax.numpy.asarray(b.valid_BL))
+    logits, _ = decoder.forward(nnx.split(decoder.abstract(cfg))[0], p, jax.numpy.asarray(b.tokens_BT),
+                                valid_BT=jax.numpy.asarray(b.valid_BT))
     argmax = np.asarray(logits).argmax(-1)[:, :-1]
-    m = b.completion_mask_BL[:, 1:]
-    np.testing.assert_array_equal(b.tokens_BL[:, 1:][m], argmax[m])
+    m = b.completion_mask_BT[:, 1:]
+    np.testing.assert_array_equal(b.tokens_BT[:, 1:][m], argmax[m])
 
 
 def test_score_and_teacher_topk_match_jax(engine, cfg, learner):
-    from opdjax.rollout.vllm_engine import VllmTeacher
+    from opdjax.teacher.vllm_teacher import VllmTeacher
 
     p = _params(cfg, 18)
     engine.update_weights(hf.named_params(cfg, p), 8)
     b = engine.generate(_prompts(5, seed=2), SamplingParams(max_new_tokens=6), seed=5)
-    s = engine.score(b.tokens_BL, b.valid_BL, top_k=4)
+    s = engine.score(b.tokens_BT, b.valid_BT, top_k=4)
     assert s["version"] == 8
-    ref = learner.logp(p, b.tokens_BL, b.valid_BL, temperature=1.0)
-    scored = b.valid_BL & np.pad(b.valid_BL[:, :-1], ((0, 0), (1, 0)))
-    np.testing.assert_allclose(s["logp_BL"][scored], ref[scored], atol=2e-4)
-    assert (s["logp_BL"][~scored] == 0).all()
+    ref = learner.logp(p, b.tokens_BT, b.valid_BT, temperature=1.0)
+    scored = b.valid_BT & np.pad(b.valid_BT[:, :-1], ((0, 0), (1, 0)))
+    np.testing.assert_allclose(s["logp_BT"][scored], ref[scored], atol=2e-4)
+    assert (s["logp_BT"][~scored] == 0).all()
 
     graphdef, _ = nnx.split(decoder.abstract(cfg))
-    jt = JaxTeacher(cfg, graphdef, p).score(b.tokens_BL, b.valid_BL, frozenset({"teacher_logp", "teacher_topk"}),
+    jt = JaxTeacher(cfg, graphdef, p).score(b.tokens_BT, b.valid_BT, frozenset({"teacher_logp", "teacher_topk"}),
                                             top_k=4)
-    vt = VllmTeacher.from_engine(engine).score(b.tokens_BL, b.valid_BL, frozenset({"teacher_logp", "teacher_topk"}),
+    vt = VllmTeacher.from_engine(engine).score(b.tokens_BT, b.valid_BT, frozenset({"teacher_logp", "teacher_topk"}),
                                                top_k=4)
-    np.testing.assert_allclose(vt["teacher_logp_BL"][scored], jt["teacher_logp_BL"][scored], atol=2e-4)
-    np.testing.assert_allclose(vt["teacher_topk_logp_BLK"][scored], jt["teacher_topk_logp_BLK"][scored], atol=2e-4)
-    same = (vt["teacher_topk_ids_BLK"][scored] == jt["teacher_topk_ids_BLK"][scored]).mean()
+    np.testing.assert_allclose(vt.teacher_logp_BT[scored], jt.teacher_logp_BT[scored], atol=2e-4)
+    np.testing.assert_allclose(vt.teacher_topk_logp_BTK[scored], jt.teacher_topk_logp_BTK[scored], atol=2e-4)
+    same = (vt.teacher_topk_ids_BTK[scored] == jt.teacher_topk_ids_BTK[scored]).mean()
     assert same > 0.98  # ids agree except for near-ties
     with pytest.raises(ValueError, match="logits"):
-        VllmTeacher.from_engine(engine).score(b.tokens_BL, b.valid_BL, frozenset({"teacher_logits"}))
+        VllmTeacher.from_engine(engine).score(b.tokens_BT, b.valid_BT, frozenset({"teacher_logits"}))
 
 
 def test_bad_update_is_refused_and_previous_weights_still_served(engine, cfg, learner):
@@ -186,31 +192,34 @@ def test_generate_rejects_bad_input(engine):
         engine.score(np.ones((1, 4), np.int32), np.ones((1, 4), bool), temperature=0.5)
 
 
-def test_measure_probe_reports_near_zero_mismatch_for_f32_vllm(engine, cfg, learner):
-    from opdjax.budget import measure
+def test_rescore_reports_near_zero_mismatch_for_f32_vllm(engine, cfg, learner):
+    """The one sample -> rescore loop (behind probe / measure / admit) on the real vLLM engine: f32 vLLM and the
+    f32 JAX learner agree to ~1e-8 in k3."""
+    from opdjax.budget.probe import rescore
+    from opdjax.cli.measure import format_table
 
     p = _params(cfg, 21)
     engine.update_weights(hf.named_params(cfg, p), 11)
-    rep = measure.measure(engine, learner, p, _prompts(8, seed=11), SamplingParams(max_new_tokens=6), seed=0,
-                          batch_size=4)
-    m = rep["metrics"]
+    prompts = _prompts(8, seed=11)
+    res = rescore(lambda b: engine.generate(prompts[4 * b:4 * b + 4], SamplingParams(max_new_tokens=6), seed=b),
+                  lambda batch: learner.logp(p, batch.tokens_BT, batch.valid_BT, temperature=1.0), range(2))
+    m = res.metrics()
     assert m["num_tokens"] == 48 and abs(m["k3"]) < 1e-8 and m["abs_log_ratio_max"] < 1e-4
-    assert "k3" in measure.format_table([("vllm f32", m)])
-    assert measure.parse_options(["kv_cache_dtype=fp8", "max_num_seqs=8", "x=none"]) == {
-        "kv_cache_dtype": "fp8", "max_num_seqs": 8, "x": None}
+    assert res.min_version == 11
+    k3, lo, hi = res.estimate("k3")
+    assert lo <= k3 <= hi and abs(k3) < 1e-8
+    assert "k3" in format_table([("vllm f32", m)])
 
 
 def test_recipe_translates_to_settings_vllm_accepts(model_dir, cfg, vllm_module):
     """An opdjax FP8 recipe becomes vLLM 0.32 online-quantization settings that vLLM's own config layer accepts,
     with the kept layers in its ignore list; building the engine on CPU is refused with a clear error."""
     from vllm.engine.arg_utils import EngineArgs
-
-    from opdjax.budget import admission
     from opdjax.rollout.vllm_engine import VllmEngine
 
-    layer0 = admission.units(cfg.num_layers, "layer")[0]
-    recipe = admission.full_fp8_recipe(keep=[layer0])
-    s = admission.vllm_settings(cfg, recipe)
+    layer0 = search.units(cfg.num_layers, "layer")[0]
+    recipe = search.full_fp8_recipe(keep=[layer0])
+    s = search.vllm_settings(cfg, recipe)
     vc = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, max_model_len=128, enforce_eager=True,
                     kv_cache_memory_bytes=32 << 20, **s).create_engine_config()
     assert vc.model_config.quantization == "fp8_per_tensor"

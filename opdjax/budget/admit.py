@@ -1,0 +1,127 @@
+"""The admission check: probe candidate rollout configurations and judge each against the budget B.
+
+Commands (registered by `add_admission_commands`):
+
+    opdjax admit --budget budget.json CANDIDATE...      probe each candidate, ADMIT / REJECT / UNCERTAIN against B
+    opdjax sensitivity [--by layer|module|group|layer-group]   M of quantizing one unit at a time (FP8 W8A8)
+    opdjax recipe-search --budget budget.json [--margin 0.8]  greedy FP8 recipe that fits the budget
+    opdjax capacity --model DIR|PRESET --memory-gb 80 [--recipe NAME|FILE]   KV tokens that fit, BF16 vs recipe
+
+Verdict (M = the budget's metric measured by `opdjax.probe.probe`, [lo, hi] its 95% bootstrap CI over sequences):
+
+    ADMIT      hi <= B          (the whole interval is inside the budget)
+    REJECT     lo >  B          (the whole interval is outside)
+    UNCERTAIN  otherwise        (probe more batches, or treat as not admitted: `admit` exits 1)
+
+A CANDIDATE is a comma-separated list of config overrides, split only at top-level commas so that mapping values
+stay whole: `rollout.recipe=fp8_w8a8_kv`, `rollout.weight_noise=0.05,rollout.stale_versions=1`,
+`rollout.engine=vllm,rollout.vllm={kv_cache_dtype: fp8, max_num_seqs: 8}`. `rollout.recipe` also accepts a recipe
+file (JSON/YAML written by `recipe-search` or by hand, loadable by `quant.Recipe.from_dict`): the file is
+registered in `quant.RECIPES` under its path, because `RolloutConfig.recipe` only accepts registered names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from opdjax.budget import probe as probe_mod
+from opdjax.budget.io import AdmissionError, Budget
+from opdjax.budget.records import AdmitRow
+from opdjax.config import TrainConfig, load
+
+__all__ = ["VERDICTS", "verdict", "split_candidate", "candidate_config", "admit", "exit_code", "format_admit_table"]
+
+
+VERDICTS = ("ADMIT", "REJECT", "UNCERTAIN")
+
+
+def verdict(ci_low: float, ci_high: float, budget: float) -> str:
+    """ADMIT if ci_high <= budget, REJECT if ci_low > budget, UNCERTAIN otherwise (also for a NaN bound)."""
+    if ci_high <= budget:
+        return "ADMIT"
+    if ci_low > budget:
+        return "REJECT"
+    return "UNCERTAIN"
+
+
+_OPEN, _CLOSE = "{[(", "}])"
+
+
+def split_candidate(text: str) -> list[str]:
+    """'a=1,b={x: 1, y: 2}' -> ['a=1', 'b={x: 1, y: 2}']: split at commas outside brackets and quotes.
+
+    Every part must look like key=value; an empty candidate or part raises AdmissionError.
+    """
+    parts, depth, quote, cur = [], 0, None, []
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in _OPEN:
+            depth += 1
+        elif ch in _CLOSE:
+            depth -= 1
+            if depth < 0:
+                raise AdmissionError(f"candidate {text!r}: unbalanced {ch!r}")
+        elif ch == "," and depth == 0:
+            parts.append("".join(cur).strip())
+            cur = []
+            continue
+        cur.append(ch)
+    if depth != 0 or quote:
+        raise AdmissionError(f"candidate {text!r}: unbalanced brackets or quotes")
+    parts.append("".join(cur).strip())
+    for part in parts:
+        key = part.split("=", 1)[0]
+        if "=" not in part or not key or any(not k for k in key.split(".")):
+            raise AdmissionError(f"candidate {text!r}: part {part!r} is not key=value "
+                                 f"(e.g. rollout.recipe=fp8_w8a8_kv or rollout.weight_noise=0.05)")
+    return parts
+
+
+def candidate_config(config: str | None, overrides: Sequence[str], candidate: Sequence[str] = ()):
+    """TrainConfig = defaults <- config file <- global overrides <- candidate overrides (validated)."""
+    return load(TrainConfig, config, [*overrides, *candidate])  # a recipe file is read by quant.as_recipe
+
+
+ProbeFn = Callable[..., Any]  # probe(cfg, *, batches, metric, seed, log) -> ProbeResult-like
+
+
+def admit(candidates: Sequence[str], budget: Budget, *, config: str | None = None, overrides: Sequence[str] = (),
+          probe_fn: ProbeFn | None = None, batches: int = 4, seed: int = 0, log=print) -> list[AdmitRow]:
+    """Probe each candidate (a comma-separated override string) and judge it against `budget`.
+
+    Every candidate is parsed and its config validated before the first probe, so a typo fails fast.
+    """
+    probe_fn = probe_fn or probe_mod.probe
+    parsed = [(c, split_candidate(c)) for c in candidates]
+    cfgs = [candidate_config(config, overrides, parts) for _, parts in parsed]
+    rows = []
+    for (text, parts), cfg in zip(parsed, cfgs):
+        log(f"probing {text} ...")
+        r = probe_fn(cfg, batches=batches, metric=budget.metric, seed=seed, log=lambda s: None)
+        rows.append(AdmitRow(candidate=text, overrides=parts, metric=r.metric, m=float(r.m), ci_low=float(r.ci_low),
+                             ci_high=float(r.ci_high), budget=budget.budget,
+                             verdict=verdict(r.ci_low, r.ci_high, budget.budget), seconds=float(r.seconds),
+                             tokens=int(r.tokens), metrics=dict(r.metrics)))
+    return rows
+
+
+def exit_code(rows: Sequence[AdmitRow]) -> int:
+    """0 when every candidate is admitted (and there is at least one), else 1."""
+    return 0 if rows and all(r.verdict == "ADMIT" for r in rows) else 1
+
+
+def format_admit_table(rows: Sequence[AdmitRow], budget: Budget | None = None) -> str:
+    w = max([len("candidate")] + [len(r.candidate) for r in rows])
+    metric = rows[0].metric if rows else (budget.metric if budget else "M")
+    head = f"{'candidate':<{w}}  {metric:>10}  {'95% CI':>23}  {'verdict':>9}  {'tokens':>6}  {'sec':>6}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ci = f"[{r.ci_low:.3e}, {r.ci_high:.3e}]"
+        lines.append(f"{r.candidate:<{w}}  {r.m:>10.3e}  {ci:>23}  {r.verdict:>9}  {r.tokens:>6d}  {r.seconds:>6.1f}")
+    if budget is not None:
+        lines.append(f"budget B = {budget.budget:.3e} ({budget.metric}"
+                     + (f", delta {budget.delta:g}" if budget.delta is not None else "") + ")")
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""The budget file and what it was calibrated on: `Budget`, `load_budget` (the one reader of budget.json),
+`setup_fingerprint` and the warning when a budget is applied to another student/teacher pair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import pathlib
+import platform
+from typing import Any, Mapping
+
+import jax
+import jaxlib
+
+from opdjax.config import to_dict
+from opdjax.core.errors import InputError
+from opdjax.pipeline.build import resolve_models
+
+__all__ = ["AdmissionError", "Budget", "load_budget", "setup_fingerprint", "calibration_warning"]
+
+
+class AdmissionError(InputError):
+    """A missing or malformed budget file, a malformed candidate, or a recipe that cannot be searched or served."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    metric: str
+    budget: float
+    delta: float | None = None
+    path: str | None = None
+    calibrated_on: Mapping[str, Any] | None = None  # `setup_fingerprint` of the study's setup, when recorded
+
+
+def load_budget(path: str | pathlib.Path) -> Budget:
+    """Read "metric", "budget" (and "delta" if present) from a study's budget.json; clear errors otherwise."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise AdmissionError(f"budget file {p} does not exist (write one with `opdjax study`)")
+    try:
+        d = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdmissionError(f"budget file {p} is not valid JSON ({e})") from e
+    if not isinstance(d, dict):
+        raise AdmissionError(f"budget file {p}: the top level must be an object with 'metric' and 'budget'")
+    missing = [k for k in ("metric", "budget") if k not in d]
+    if missing:
+        raise AdmissionError(f"budget file {p}: missing key(s) {missing}; found {sorted(d)}")
+    metric, b = d["metric"], d["budget"]
+    if not isinstance(metric, str) or not metric:
+        raise AdmissionError(f"budget file {p}: 'metric' must be a metric name such as 'k3', got {metric!r}")
+    if isinstance(b, bool) or not isinstance(b, (int, float)):
+        raise AdmissionError(f"budget file {p}: 'budget' has the wrong type ({type(b).__name__}); expected a finite "
+                             f"number >= 0, got {b!r}")
+    if not math.isfinite(b) or b < 0:
+        raise AdmissionError(f"budget file {p}: 'budget' must be a finite number >= 0, got {b!r}")
+    delta = d.get("delta")
+    if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float))):
+        raise AdmissionError(f"budget file {p}: 'delta' must be a number, got {delta!r}")
+    on = d.get("calibrated_on")
+    if on is not None and not isinstance(on, dict):
+        raise AdmissionError(f"budget file {p}: 'calibrated_on' must be an object (a setup fingerprint), got {on!r}")
+    return Budget(metric=metric, budget=float(b), delta=None if delta is None else float(delta), path=str(p),
+                  calibrated_on=on)
+
+
+def _weights_sha256(model_dir: str | pathlib.Path) -> str:
+    """sha256 over a model directory's *.safetensors files (sorted by name; their bytes, names excluded)."""
+    h = hashlib.sha256()
+    files = sorted(pathlib.Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise AdmissionError(f"model directory {model_dir} has no *.safetensors weights to fingerprint")
+    for f in files:
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def setup_fingerprint(cfg, log=print) -> dict[str, Any]:
+    """What a budget is a property of: the student and teacher weights (sha256), the task, and the software and
+    machine that made them. The built-in models are trained locally (chaotic SGD in float32), so their bits can
+    differ between machines and library versions: two machines can calibrate different pairs from one config."""
+
+    student, teacher = resolve_models(cfg, log=log)
+    return {"student_sha256": _weights_sha256(student), "teacher_sha256": _weights_sha256(teacher),
+            "student": str(student), "teacher": str(teacher), "task": to_dict(cfg.task),
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "machine": f"{platform.system()} {platform.machine()} ({_cpu_name()})"}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown cpu"
+
+
+def calibration_warning(budget: Budget, fingerprint: Mapping[str, Any]) -> str | None:
+    """A warning when `budget` was fit on other student or teacher weights than `fingerprint`'s (else None).
+
+    A budget is the mismatch one training setup tolerates; applied to another student/teacher pair it is only a
+    guess. Budgets from before fingerprints were recorded cannot be checked (None).
+    """
+    on = budget.calibrated_on
+    if not on:
+        return None
+    diff = [role for role in ("student", "teacher")
+            if on.get(f"{role}_sha256") and on.get(f"{role}_sha256") != fingerprint.get(f"{role}_sha256")]
+    if not diff:
+        return None
+    what = " and ".join(f"{r} weights {str(on[f'{r}_sha256'])[:12]} (now {str(fingerprint[f'{r}_sha256'])[:12]})"
+                        for r in diff)
+    return (f"budget {budget.path or ''} was calibrated on {what}, made with jax {on.get('jax', '?')} on "
+            f"{on.get('machine', '?')}: B is the mismatch that setup tolerates, and this one may tolerate more or "
+            f"less; rerun `opdjax study` here to calibrate it")

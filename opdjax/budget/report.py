@@ -1,0 +1,250 @@
+"""Rendering a study's budget.json: points.csv, the budget plot, summary.md and the admission-validity table.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import pathlib
+from typing import Any, Mapping, Sequence
+
+from opdjax.budget.fit import straddles
+
+__all__ = ["CSV_FIELDS", "plot", "summary_markdown", "validity_markdown", "write_csv"]
+
+
+CSV_FIELDS = ["id", "group", "knob", "value", "m_probe", "m_probe_ci_low", "m_probe_ci_high", "m_train",
+              "m_train_k1", "m_train_abs_log_ratio_p95", "q_reverse_kl", "q_accuracy", "q_loss", "q_loss_std",
+              "q_loss_min", "q_loss_max", "n_seeds", "within_budget", "admissible", "seconds"]
+
+
+def write_csv(path: pathlib.Path, rows: Sequence[Mapping]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in rows:
+            ci = r["m_probe_ci"] or [None, None]
+            sp = r["q_loss_spread"]
+            w.writerow({**{k: r.get(k) for k in CSV_FIELDS}, "m_probe_ci_low": ci[0], "m_probe_ci_high": ci[1],
+                        "q_loss_std": sp["std"], "q_loss_min": sp["min"], "q_loss_max": sp["max"],
+                        "n_seeds": len(r["seeds"])})
+
+
+_STYLE = {"baseline": ("k", "o"), "weight_noise": ("tab:blue", "o"), "staleness": ("tab:orange", "s"),
+          "recipe": ("tab:green", "^")}
+
+
+def plot(path: pathlib.Path, result: Mapping[str, Any]) -> None:
+    """Quality loss (and final accuracy) versus M on a log axis: per-seed dots, mean with seed range and probe CI,
+    the tolerance delta and the budget B; knobs by colour and marker. The baseline (M ~ 0) sits at the left edge."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["points"]
+    ms = [r["m_probe"] for r in rows if r["m_probe"] is not None and r["knob"] != "baseline" and r["m_probe"] > 0]
+    lo = min(ms + [result["budget"]] if result["budget"] > 0 else ms) if ms else 1e-6
+    floor = lo / 10
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, key, ylab in ((axes[0], "q_loss", "quality loss (rel. increase of held-out reverse KL)"
+                           if result["config"]["study"]["quality"] == "reverse_kl" else "accuracy drop"),
+                          (axes[1], "accuracy", "final held-out accuracy")):
+        seen = set()
+        for r in rows:
+            m = r["m_probe"] if r["m_probe"] is not None else float("nan")
+            x = max(m, floor) if r["knob"] == "baseline" else m
+            if not x > 0:
+                continue
+            colour, marker = _STYLE.get(r["knob"], ("tab:gray", "x"))
+            ys = [s["q_loss"] if key == "q_loss" else s["accuracy"] for s in r["seeds"]]
+            y = r["q_loss"] if key == "q_loss" else r["q_accuracy"]
+            ci = r["m_probe_ci"] or [m, m]
+            xerr = None if r["knob"] == "baseline" else [[max(x - max(ci[0], floor), 0)], [max(ci[1] - x, 0)]]
+            fin = [v for v in ys if math.isfinite(v)]
+            yerr = [[y - min(fin)], [max(fin) - y]] if fin and math.isfinite(y) else None
+            label = r["knob"] if r["knob"] not in seen else None
+            seen.add(r["knob"])
+            ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt=marker, color=colour, ms=8, capsize=3, label=label,
+                        mfc="white" if not r.get("within_budget", True) else colour)
+            ax.scatter([x] * len(fin), fin, s=10, color=colour, alpha=0.4)
+            tag = "baseline" if r["knob"] == "baseline" else f"{r['value']}"
+            ax.annotate(tag, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"M = probe {result['metric']} (engine vs learner, log scale; baseline at left edge)")
+        ax.set_ylabel(ylab)
+        if result["budget"] > 0:
+            ax.axvline(result["budget"], color="tab:red", ls="--", label=f"budget B = {result['budget']:.3g}")
+        if key == "q_loss":
+            ax.axhline(result["delta"], color="tab:red", ls=":", label=f"tolerance delta = {result['delta']}")
+            ax.set_yscale("symlog", linthresh=1.0)  # linear near the tolerance, log for diverged runs
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8, loc="best")
+    fig.suptitle("Mismatch budget: quality vs mismatch (mean ± seed range; hollow = outside tolerance)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _f(x, fmt=".3g") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return format(x, fmt)
+
+
+def _calibrated_on_lines(on: Mapping[str, Any] | None) -> list[str]:
+    if not on:
+        return []
+    return [f"Calibrated on: student weights sha256 `{on['student_sha256'][:16]}`, "
+            f"teacher `{on['teacher_sha256'][:16]}` (jax {on.get('jax', '?')}, {on.get('machine', '?')}). "
+            "The built-in pair is trained locally, so it can differ between machines; `opdjax admit` warns when it "
+            "probes other weights.", ""]
+
+
+def summary_markdown(result: Mapping[str, Any]) -> str:
+    s = result["config"]["study"]
+    b = result["baseline"]
+    base_cfg = result["config"]["base_train_config"]
+    L = [f"# Mismatch budget study ({result['created']})", "",
+         f"**Budget B = {result['budget']:.4g}** ({result['metric']} of engine vs learner on sampled tokens, measured "
+         f"by the admission probe) at tolerance delta = {result['delta']}.", "",
+         f"Quality loss: {result['quality']}. A point is within tolerance iff its *mean* loss over seeds "
+         f"({len(s['seeds'])}: {s['seeds']}) is ≤ delta. "
+         + ("B is the largest M at which the isotonic (monotone non-decreasing in M) fit of the points' mean losses "
+            "stays ≤ delta, so one noisy point is pooled with its neighbours and a diverged point stops B."
+            if s.get("fit", "isotonic") == "isotonic" else
+            "B is the largest M reached walking the points in increasing M until the first point outside the "
+            "tolerance (conservative: later points never raise B)."), "",
+         f"Runs: OPD ({base_cfg['loss']['name']}), {base_cfg['pipeline']['steps']} steps, "
+         f"lr {base_cfg['optim']['lr']}, "
+         f"batch {base_cfg['rollout']['batch_size']}, task {base_cfg['task']['name']}. Baseline (no mismatch): "
+         f"held-out reverse KL {b['initial_reverse_kl']:.2f} → {b['reverse_kl']:.3f} (seeds "
+         f"{', '.join(f'{x:.3f}' for x in b['reverse_kl_seeds'])}), accuracy {b['initial_accuracy']:.2f} → "
+         f"{b['accuracy']:.3f}.", "", *_calibrated_on_lines(result.get("calibrated_on")),
+         "![quality vs mismatch](budget.png)", "",
+         "| point | M probe (95% CI) | M train k3 | train k1 | train abs-log-ratio p95 | final RKL | accuracy | "
+         "q_loss mean (seed min..max) | monotone fit | within delta | M ≤ B |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(result["points"], key=lambda r: (r["m_probe"] if r["m_probe"] is not None else -1)):
+        ci = r["m_probe_ci"] or [None, None]
+        sp = r["q_loss_spread"]
+        L.append(f"| {r['id']} | {_f(r['m_probe'])} ({_f(ci[0])}–{_f(ci[1])}) | {_f(r['m_train'])} | "
+                 f"{_f(r['m_train_k1'])} | {_f(r['m_train_abs_log_ratio_p95'])} | {r['q_reverse_kl']:.3f} | "
+                 f"{r['q_accuracy']:.3f} | {r['q_loss']:+.3f} ({sp['min']:+.3f}..{sp['max']:+.3f}) | "
+                 f"{_f(r.get('q_loss_monotone'), '+.3f')} | "
+                 f"{'yes' if r['within_budget'] else '**no**'} | {'yes' if r['admissible'] else 'no'} |")
+    ph = result.get("phenomena", {})
+    if "rl_vs_opd" in ph:
+        rv = ph["rl_vs_opd"]
+        L += ["", "## (a) OPD versus the RL baseline under weight noise", "",
+              f"RL = task-reward policy gradient with overrides `{json.dumps(rv['overrides'])}`"
+              + (f"; both methods with `{json.dumps(rv['common'])}`" if rv.get("common")
+                 else "; OPD = the sweep's runs")
+              + ". Each method is compared with its own noise-free run (same seeds, same steps).", "",
+              "| sigma | M probe | OPD RKL | OPD acc | OPD acc drop | OPD RKL rel. increase | RL acc | RL acc drop | "
+              "RL reward (last 10%) | RL RKL rel. increase | non-finite steps (OPD/RL) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for t in rv["levels"]:
+            o, r = t["opd"] or {}, t["rl"]
+            L.append(f"| {t['weight_noise']} | {_f(o.get('m_probe'))} | {_f(o.get('reverse_kl'), '.3f')} | "
+                     f"{_f(o.get('accuracy'), '.3f')} | {_f(o.get('accuracy_drop'), '+.3f')} | "
+                     f"{_f(o.get('reverse_kl_rel_increase'), '+.2f')} | {r['accuracy']:.3f} | "
+                     f"{r['accuracy_drop']:+.3f} | {_f(r['reward_last'], '.3f')} | "
+                     f"{r['reverse_kl_rel_increase']:+.2f} | "
+                     f"{o.get('nonfinite_steps', '–')}/{r['nonfinite_steps']} |")
+        L += ["", _rl_verdict(rv)]
+    if "prefix_shift" in ph:
+        sh = ph["prefix_shift"]
+        L += ["", "## (b) Prefix shift under weight noise", "",
+              "Clean and perturbed engines sample the same held-out prompts with the same seed (same per-row keys), "
+              "so completions coincide until the perturbation flips a sample. first div = mean first differing "
+              "completion position among diverged rows; seq KL = mean Σ_t (log mu − log pi) on the perturbed "
+              "samples."]
+        for which, tab in sh.items():
+            if which == "seconds":
+                continue
+            N = len([k for k in tab[0] if k.startswith("same_prefix_at_")]) if tab else 0
+            L += ["", f"**{which.replace('_', ' ')}**", "",
+                  "| sigma | frac diverged | first div | answer changed | seq KL | token k3 | "
+                  + " | ".join(f"same prefix ≥{t}" for t in range(1, N + 1)) + " |",
+                  "|---|---|---|---|---|---|" + "---|" * N]
+            for t in tab:
+                L.append(f"| {t['weight_noise']} | {t['frac_diverged']:.3f} | {_f(t['first_div_mean'], '.2f')} | "
+                         f"{t['answer_changed']:.3f} | {t['seq_kl']:.4f} | {t['token_k3']:.4g} | "
+                         + " | ".join(f"{t[f'same_prefix_at_{k}']:.3f}" for k in range(1, N + 1)) + " |")
+    if "corrections" in ph:
+        c = ph["corrections"]
+        L += ["", f"## (b') Per-token corrections at sigma = {c['weight_noise']} (beyond the budget)", "",
+              "| correction | final RKL (seeds) | accuracy (seeds) | q_loss vs baseline | M train k3 |",
+              "|---|---|---|---|---|"]
+        for t in c["rows"]:
+            if "reverse_kl" not in t:
+                continue
+            rkl_seeds = ", ".join(f"{x:.2f}" for x in t["reverse_kl_seeds"])
+            acc_seeds = ", ".join(f"{x:.2f}" for x in t["accuracy_seeds"])
+            L.append(f"| {t['correction']} | {t['reverse_kl']:.3f} ({rkl_seeds}) | {t['accuracy']:.3f} ({acc_seeds}) | "
+                     f"{t['q_loss']:+.3f} | {_f(t.get('m_train'))} |")
+        L += ["", _corr_verdict(c, result["delta"])]
+    if result.get("validity"):
+        L += ["", "## Admission validity", "", validity_markdown(result["validity"], result["budget"])]
+    tm = result["timing"]
+    L += ["", "## Timing", "",
+          f"{tm['runs']} runs, {tm['compute_seconds'] / 60:.1f} min of probe+training in all; this invocation "
+          f"{tm['wall_seconds_this_invocation'] / 60:.1f} min wall ({tm['runs_this_invocation']} runs, the rest "
+          "reused from results/)."]
+    return "\n".join(L) + "\n"
+
+
+def validity_markdown(rep: Mapping[str, Any], current_budget: float | None = None) -> str:
+    """The admission-validity table (benchmarks/admission_validity.py writes `validity.json`)."""
+    L = [f"Candidates that are not study points: the probe verdict of `opdjax admit` against B = {rep['budget']:.3g} "
+         f"({rep['metric']}) versus the verdict of full runs at the candidate (the study's config and seeds "
+         f"{rep['seeds']}; admit iff mean q_loss ≤ delta = {rep['delta']}). UNCERTAIN counts as not admitted.", ""]
+    if current_budget is not None and not math.isclose(current_budget, rep["budget"], rel_tol=1e-9):
+        L += [f"*Validated against B = {rep['budget']:.4g}; the study's B is now {current_budget:.4g} — rerun "
+              "`python benchmarks/admission_validity.py`.*", ""]
+    L += ["| candidate | probe M [95% CI] | probe verdict | full-run RKL per seed | q_loss per seed | q_loss | "
+          "full run | agree |", "|---|---|---|---|---|---|---|---|"]
+    split = {True: [0, 0], False: [0, 0]}  # straddles delta -> [agree, n]
+    for r in rep["rows"]:
+        rkl = " / ".join(f"{x:.2f}" for x in r["reverse_kl_seeds"])
+        qs = " / ".join(f"{x:+.2f}" for x in r["q_loss_seeds"])
+        st = straddles(r["q_loss_seeds"], rep["delta"])
+        split[st][0] += bool(r["agree"])
+        split[st][1] += 1
+        L.append(f"| `{r['candidate']}` | {r['m']:.2e} [{r['ci'][0]:.2e}, {r['ci'][1]:.2e}] | {r['verdict']} | "
+                 f"{rkl} | {qs} | {r['q_loss']:+.2f} | {'admit' if r['should_admit'] else 'reject'}"
+                 f"{' (seeds straddle delta)' if st else ''} | {'yes' if r['agree'] else '**no**'} |")
+    L += ["", f"Agreement: **{rep['agreement']}/{rep['n']}** (target ≥ 5 of 6): {split[False][0]}/{split[False][1]} "
+          f"where every seed's q_loss falls on the same side of delta, {split[True][0]}/{split[True][1]} where the "
+          "seeds straddle it (there the full-run verdict itself is decided by the seed draw).", "",
+          f"Probe cost: `opdjax admit` took {rep['admit_wall_seconds']:.1f} s for {rep['n']} candidates "
+          f"({rep['probe_seconds_per_candidate']:.1f} s each, model load and compilation included; slowest single "
+          f"probe {rep['max_probe_seconds']:.1f} s) against {rep['mean_study_point_seconds']:.0f} s for one study "
+          f"point ({len(rep['seeds'])} seeds, probe + training): **{100 * rep['probe_cost_ratio']:.1f}%** "
+          "(target < 5%)."]
+    return "\n".join(L)
+
+
+def _rl_verdict(rv) -> str:
+    worst = max(rv["levels"], key=lambda t: t["weight_noise"])
+    o, r = worst["opd"] or {}, worst["rl"]
+    return (f"At the largest level (sigma = {worst['weight_noise']}): OPD accuracy drop "
+            f"{_f(o.get('accuracy_drop'), '+.3f')}, reverse-KL change {_f(o.get('reverse_kl_rel_increase'), '+.2f')}; "
+            f"RL accuracy drop {r['accuracy_drop']:+.3f}, reverse-KL change {r['reverse_kl_rel_increase']:+.2f}, "
+            f"non-finite RL steps {r['nonfinite_steps']}.")
+
+
+def _corr_verdict(c, delta) -> str:
+    rows = [t for t in c["rows"] if "q_loss" in t]
+    if not rows:
+        return ""
+    none = next((t for t in rows if t["correction"] == "none"), None)
+    parts = [f"{t['correction']}: q_loss {t['q_loss']:+.3f}" for t in rows]
+    fixed = [t["correction"] for t in rows if t["correction"] != "none" and t["q_loss"] <= delta]
+    head = "; ".join(parts) + "."
+    if none is not None and none["q_loss"] > delta:
+        head += (" None of the corrections brings the loss back within delta." if not fixed else
+                 f" Within delta with: {', '.join(fixed)}.")
+    return head

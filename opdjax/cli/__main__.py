@@ -1,0 +1,5 @@
+import sys
+
+from opdjax.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,18 @@
+"""The one base class of bad-input errors, and the config error every layer raises.
+
+Every error that reports bad input — a config key or value, a checkpoint, a vocabulary, a recipe, a budget file, a
+weight manifest — derives from `InputError` (a ValueError): the CLI prints its message in one line and exits 2,
+never a traceback. Each layer defines its own subclass next to the code that raises it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "InputError"]
+
+
+class InputError(ValueError):
+    """Bad input: the message names what is wrong and what was expected."""
+
+
+class ConfigError(InputError):
+    """A config key that does not exist, a value of the wrong type or out of range, or a missing model directory."""

@@ -1,0 +1,53 @@
+"""Orbax checkpoints of the learner's full TrainState (sharded; every process writes and restores its shards)."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Mapping
+
+import jax
+import orbax.checkpoint as ocp
+
+from opdjax.learner.learner import TrainState
+
+__all__ = ["latest_step", "restore_checkpoint", "save_checkpoint"]
+
+def save_checkpoint(directory: str | pathlib.Path, state: TrainState, extra: Mapping[str, Any],
+                    max_to_keep: int = 2) -> None:
+    """Save the full TrainState (orbax, sharded) plus JSON `extra` (pipeline/data position) under step N."""
+    step = int(jax.device_get(state.step))
+    opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+    with ocp.CheckpointManager(pathlib.Path(directory).absolute(), options=opts) as mngr:
+        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_as_tree(state)),
+                                                extra=ocp.args.JsonSave(dict(extra))), force=True)
+        mngr.wait_until_finished()
+
+
+def latest_step(directory: str | pathlib.Path) -> int | None:
+    p = pathlib.Path(directory).absolute()
+    if not p.exists():
+        return None
+    with ocp.CheckpointManager(p) as mngr:
+        return mngr.latest_step()
+
+
+def restore_checkpoint(directory: str | pathlib.Path, like: TrainState,
+                       step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
+    """Restore the latest (or given) step into arrays with the shardings of `like`."""
+    p = pathlib.Path(directory).absolute()
+    with ocp.CheckpointManager(p) as mngr:
+        step = mngr.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint under {p}")
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _as_tree(like))
+        out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                         extra=ocp.args.JsonRestore()))
+    restored = out["state"]
+    # Orbax hands back plain containers; put the leaves back into the live structure (nnx Variables, optax tuples).
+    state = TrainState(**{k: jax.tree.unflatten(jax.tree.structure(getattr(like, k)), jax.tree.leaves(restored[k]))
+                          for k in ("step", "params", "opt_state")})
+    return state, dict(out["extra"])
+
+
+def _as_tree(state: TrainState) -> dict[str, Any]:
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state}

@@ -1,0 +1,120 @@
+"""Config -> a typed `Run`: models resolved (built-in pair prepared once), engine, teacher, learner, mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from opdjax.config import ConfigError, TrainConfig
+from opdjax.core.corrections import Correction
+from opdjax.data import tasks
+from opdjax.data.prepare import prepare_builtin
+from opdjax.data.tasks import Task
+from opdjax.learner import Learner, make_optimizer
+from opdjax.models import ModelConfig, hf
+from opdjax.models.sharding import make_mesh
+from opdjax.models.tiny import load_tokenizer
+from opdjax.rollout import RolloutEngine, SamplingParams
+from opdjax.rollout.jax_engine import JaxEngine
+from opdjax.rollout.vllm_engine import VllmEngine  # vLLM itself is imported on first use
+from opdjax.teacher import JaxTeacher, Teacher, check_same_vocab
+from opdjax.teacher.vllm_teacher import VllmTeacher
+
+__all__ = ["Run", "build", "make_engine", "make_teacher", "resolve_models", "sampling_params"]
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything one training run holds."""
+
+    cfg: TrainConfig
+    tokenizer: Any                   # a transformers tokenizer (student's; the teacher's is checked identical)
+    task: Task
+    student_cfg: ModelConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State                # the student's initial weights
+    teacher: Teacher | None          # None when built with_teacher=False (probes rescore only the student)
+    engine: RolloutEngine
+    learner: Learner
+    mesh: Mesh
+    out_dir: pathlib.Path
+
+
+def resolve_models(cfg: TrainConfig, log=print) -> tuple[str, str]:
+    """Student and teacher directories; "builtin" ones are prepared on the task (once, then cached)."""
+    student, teacher = cfg.student.path, cfg.teacher.path
+    if "builtin" in (student, teacher):
+        if cfg.task.name == "jsonl":
+            raise ConfigError("student/teacher 'builtin' are trained on a built-in task; with prompts=FILE.jsonl "
+                              "pass student=DIR and teacher=DIR")
+        meta = prepare_builtin(cfg.task, cfg.prepare, log=log)
+        student = meta["student"] if student == "builtin" else student
+        teacher = meta["teacher"] if teacher == "builtin" else teacher
+    for role, path in (("student", student), ("teacher", teacher)):
+        if not pathlib.Path(path).is_dir():
+            raise ConfigError(f"{role}={path!r}: no such directory (expected a Hugging Face model directory with "
+                              f"config.json and *.safetensors, or 'builtin'); nothing is downloaded")
+    return student, teacher
+
+
+def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, params, tokenizer) -> RolloutEngine:
+    """The rollout engine named by `rollout.engine`, serving the student's initial weights as version 0."""
+    r = cfg.rollout
+    if r.engine == "vllm":
+        return VllmEngine(student_path, dtype=r.dtype, seed=r.seed,
+                          recipe=None if r.recipe == "none" else r.recipe, **r.vllm)
+    return JaxEngine(student_cfg, params, recipe=r.recipe, weight_noise=r.weight_noise, noise_seed=r.seed,
+                     noise_mode=r.noise_mode,
+                     stale_versions=r.stale_versions, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
+                     dtype=np.dtype(r.dtype) if r.dtype == "float32" else "bfloat16")
+
+
+def make_teacher(cfg: TrainConfig, teacher_path: str, mesh: Mesh) -> Teacher:
+    """The teacher named by `teacher.engine` (JAX in-process on the learner's mesh, or vLLM)."""
+    if cfg.teacher.engine == "vllm":
+        return VllmTeacher(teacher_path, dtype=cfg.teacher.dtype)
+    return JaxTeacher.from_pretrained(teacher_path, dtype=cfg.teacher.dtype, mesh=mesh,
+                                      temperature=cfg.teacher.temperature)
+
+
+def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True) -> Run:
+    """Everything a run needs; `with_teacher=False` skips loading the teacher (probes only rescore the student)."""
+    student_path, teacher_path = resolve_models(cfg, log)
+    tokenizer = load_tokenizer(student_path)
+    try:
+        teacher_tok = load_tokenizer(teacher_path)
+    except (OSError, ValueError):
+        teacher_tok = None
+    student_cfg = ModelConfig.from_dir(student_path)
+    check_same_vocab(student_cfg, ModelConfig.from_dir(teacher_path), tokenizer, teacher_tok)
+    mesh = make_mesh(cfg.mesh.shape)
+    st = cfg.student
+    graphdef, params = hf.load_state(student_path, student_cfg, param_dtype=st.dtype, dtype=st.compute_dtype,
+                                     attention=st.attention, remat=st.remat)
+    task = tasks.get_task(cfg.task.name, **cfg.task.options)
+    loss_options = dict(cfg.loss.options)
+    if cfg.loss.name == "reinforce" and cfg.rollout.samples_per_prompt > 1:
+        loss_options.setdefault("group_size", cfg.rollout.samples_per_prompt)
+    correction = (None if cfg.loss.correction == "none"
+                  else Correction(name=cfg.loss.correction, **cfg.loss.correction_options))
+    tx, schedule = make_optimizer(total_steps=cfg.pipeline.steps, **dataclasses.asdict(cfg.optim))
+    learner = Learner(graphdef, loss=cfg.loss.name, loss_options=loss_options, correction=correction, tx=tx,
+                      schedule=schedule, temperature=max(cfg.rollout.temperature, 1e-6), mesh=mesh,
+                      logprob_chunk=st.logprob_chunk)
+    return Run(cfg=cfg, tokenizer=tokenizer, task=task, student_cfg=student_cfg, graphdef=graphdef, params=params,
+               teacher=make_teacher(cfg, teacher_path, mesh) if with_teacher else None,
+               engine=make_engine(cfg, student_path, student_cfg, params, tokenizer),
+               learner=learner, mesh=mesh, out_dir=pathlib.Path(cfg.pipeline.out_dir))
+
+
+def sampling_params(cfg: TrainConfig, tokenizer, *, temperature: float | None = None) -> SamplingParams:
+    """`rollout.*` sampling settings (EOS stops a completion); `temperature` overrides rollout.temperature."""
+    r = cfg.rollout
+    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature if temperature is None
+                          else temperature, top_k=r.top_k, top_p=r.top_p, stop_token_ids=(tokenizer.eos_token_id,))

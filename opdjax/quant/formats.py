@@ -1,0 +1,290 @@
+"""Simulated quantization (quantize–dequantize, "qdq") of weights, activations and the KV cache.
+
+The rollout engine (vLLM on GPU) runs FP8 weights, FP8 activations and an FP8 KV cache; the learner runs in
+bf16/fp32. This module reproduces the engine's rounding in JAX so that the same mismatch can be measured on a CPU
+(`JaxEngine` with a recipe), and produces the (q, scale) pairs a weight bridge would ship.
+
+Formats (`FORMATS`):
+
+    "e4m3"  jnp.float8_e4m3fn   max 448     (no inf: an overflowing cast gives NaN, so values are clipped first)
+    "e5m2"  jnp.float8_e5m2     max 57344
+    "int8"  jnp.int8            max 127     (symmetric, round-half-to-even, [-127, 127])
+
+Quantization (one formula for every granularity; `amax` is taken over the granularity's group):
+
+    scale = max(amax(|x|), AMAX_EPS) * (1 / fmt_max)      (float32; or a given fixed `scale`)
+    q     = cast(clip(x * (1 / scale), -fmt_max, fmt_max)) (int8: round before the cast)
+    x'    = q * scale                                     (dequantize; computed in float32, cast to x's dtype)
+
+**Why no compiler can drop the rounding.** A plain `x.astype(f8).astype(f32)` is a pair of converts that XLA's GPU
+compiler removes under its default `xla_allow_excess_precision` (the round trip is then a silent no-op: measured on
+an H200, k3 = 0.0 exactly for an FP8 recipe; an `optimization_barrier` between the converts does not help either,
+since XLA expands barriers into control dependencies before its simplifiers run). So the dequantizer never converts
+FP8 back to float: it reinterprets the stored byte (`bitcast_convert_type` to uint8) and decodes sign, exponent and
+mantissa with integer arithmetic into the float32 bit pattern (`_decode_f8`; subnormals as m * 2^(1-bias-M)). No
+compiler may fold that back into the input, because the bits of the FP8 value are data to it, and the result is
+bit-identical to `q.astype(float32)` for every finite code (tested over all 256). int8 needs nothing: round and clip
+already produce the quantized values, so its converts are exact whether or not a compiler keeps them.
+`check_effective` verifies on the current backend, inside a jit as the engines run it, that a recipe's
+quantization changes a probe tensor; engines call it at construction.
+
+Divisions are written as multiplications by float32 reciprocals on purpose: XLA's CPU compiler rewrites `a / c`
+and `a / broadcast(s)` into `a * (1/c)` (seen with jax 0.10), so a literal division would not be bit-stable across
+programs and backends, while a multiplication is. A vLLM scale computed as a true `amax / fmt_max` can differ from
+ours by one float32 ulp.
+
+Granularities and the shape of the returned scale (x has shape S, ndim n):
+
+    "tensor"   one scale for the whole tensor                    scale.shape == ()
+    "channel"  one scale per index of `channel_axis` (kept),      scale.shape == S with every axis but
+               amax over every other axis. opdjax stores linear   channel_axis set to 1, e.g. (1, out)
+               kernels as [in, out] (HF's weight transposed), so  for a kernel [in, out]
+               the default channel_axis=-1 is the OUTPUT channel
+               (HF's per-row scale of weight [out, in]).
+    "token"    one scale per row of an activation [..., D]:       scale.shape == S with `axis` set to 1,
+               amax over `axis` (default -1, the feature axis).   e.g. (B, T, 1) for x [B, T, D]
+    "block"    one scale per (bm, bn) block of the last two axes   scale.shape == S[:-2] + (ceil(M/bm),
+               [..., M, N] (x is zero-padded internally to a       ceil(N/bn)); not broadcastable: pass
+               multiple of the block, then cropped). (128, 128)    `block=` to `dequantize`. For a kernel
+               for weights, (1, 128) for activations [..., T, D].  [in, out] it is the transpose of
+                                                                   vLLM's [out/128, in/128] weight_scale_inv.
+
+Everything is pure and jit-able; `fmt`, `granularity`, `block`, `axis`, `channel_axis` and `ste` are static.
+`qdq` runs the same quantizer and dequantizer code as `quantize` / `dequantize` (fused in one jit), so a (q, scale)
+pair shipped by a bridge dequantizes bit-for-bit to the simulated weight (tested).
+
+Recipes (`Recipe`, registry `RECIPES`) choose which HF modules are quantized and how; `ForwardQuant` carries a recipe
+into a decoder's forward pass (activations, KV cache) as a hashable, jit-closable object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from opdjax.core.errors import InputError
+
+Array = jax.Array
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Formats and the core quantize / dequantize / qdq
+# ----------------------------------------------------------------------------------------------------------------------
+
+AMAX_EPS = 1e-12  # floor on amax so an all-zero group gives scale > 0 (q = 0, x' = 0) instead of 0/0 = NaN
+SCALE_BYTES = 4  # scales are float32
+
+
+@dataclasses.dataclass(frozen=True)
+class QFormat:
+    """A storage format: its dtype, its largest finite magnitude, and whether it is an integer format."""
+
+    name: str
+    dtype: Any
+    max_value: float
+    is_int: bool = False
+
+    @property
+    def bytes(self) -> int:
+        return jnp.dtype(self.dtype).itemsize
+
+
+FORMATS: dict[str, QFormat] = {
+    "e4m3": QFormat("e4m3", jnp.float8_e4m3fn, 448.0),
+    "e5m2": QFormat("e5m2", jnp.float8_e5m2, 57344.0),
+    "int8": QFormat("int8", jnp.int8, 127.0, is_int=True),
+}
+GRANULARITIES = ("tensor", "channel", "token", "block")
+KV_GRANULARITIES = ("tensor", "token")
+
+
+class RecipeError(InputError):
+    """A quantization format, granularity, recipe name or recipe field that does not exist or does not fit."""
+
+
+def _format(fmt: str) -> QFormat:
+    if fmt not in FORMATS:
+        raise RecipeError(f"unknown quantization format {fmt!r}; valid formats: {sorted(FORMATS)}")
+    return FORMATS[fmt]
+
+
+def _check_granularity(granularity: str) -> None:
+    if granularity not in GRANULARITIES:
+        raise RecipeError(f"unknown granularity {granularity!r}; valid granularities: {list(GRANULARITIES)}")
+
+
+def _check_block(block: Sequence[int]) -> tuple[int, int]:
+    block = tuple(block)
+    if len(block) != 2 or not all(isinstance(b, (int, np.integer)) and b >= 1 for b in block):
+        raise RecipeError(f"block must be two positive ints (rows, cols), got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def _amax(x: Array, granularity: str, axis: int, channel_axis: int) -> Array:
+    """max |x| over the granularity's group, keepdims (block handled separately)."""
+    a = jnp.abs(x)
+    if granularity == "tensor":
+        return jnp.max(a)
+    if granularity == "channel":
+        keep = channel_axis % x.ndim
+        return jnp.max(a, axis=tuple(i for i in range(x.ndim) if i != keep), keepdims=True)
+    return jnp.max(a, axis=axis, keepdims=True)  # token
+
+
+def _block_amax(x_MN: Array, block: tuple[int, int]) -> Array:
+    """Per-block max |x| of the last two axes [..., M, N] -> [..., ceil(M/bm), ceil(N/bn)] (zero padding)."""
+    bm, bn = block
+    M, N = x_MN.shape[-2:]
+    pm, pn = (-M) % bm, (-N) % bn
+    pad = [(0, 0)] * (x_MN.ndim - 2) + [(0, pm), (0, pn)]
+    xp = jnp.pad(jnp.abs(x_MN), pad)
+    lead = x_MN.shape[:-2]
+    xb = xp.reshape(*lead, (M + pm) // bm, bm, (N + pn) // bn, bn)
+    return jnp.max(xb, axis=(-3, -1))
+
+
+def _expand_block_scale(scale: Array, shape: tuple[int, ...], block: tuple[int, int]) -> Array:
+    """Block scale [..., nM, nN] -> per-element scale [..., M, N] (repeat each block, crop the padding).
+
+    A scale of rank < 2 (a fixed per-tensor scale) is returned as is: it already broadcasts.
+    """
+    if scale.ndim < 2:
+        return scale
+    bm, bn = block
+    M, N = shape[-2:]
+    s = jnp.repeat(jnp.repeat(scale, bm, axis=-2, total_repeat_length=scale.shape[-2] * bm), bn, axis=-1,
+                   total_repeat_length=scale.shape[-1] * bn)
+    return s[..., :M, :N]
+
+
+def _cast(y: Array, f: QFormat) -> Array:
+    """Clip to ±fmt_max (e4m3fn has no inf: overflow would become NaN), round for int, cast to storage dtype."""
+    y = jnp.clip(y, -f.max_value, f.max_value)
+    if f.is_int:
+        y = jnp.round(y)
+    return y.astype(f.dtype)
+
+
+def _quantize_impl(x, scale, fmt, granularity, block, axis, channel_axis):
+    """The one quantizer behind `quantize` and `qdq` (traced inside their jits)."""
+    f = FORMATS[fmt]
+    x32 = x.astype(jnp.float32)
+    if scale is None:
+        if granularity == "block":
+            amax = _block_amax(x32, block)
+        else:
+            amax = _amax(x32, granularity, axis, channel_axis)
+        scale = jnp.maximum(amax, AMAX_EPS) * np.float32(1.0 / f.max_value)
+    scale = jnp.asarray(scale, jnp.float32)
+    inv = jnp.float32(1.0) / scale
+    inv_full = _expand_block_scale(inv, x.shape, block) if granularity == "block" else inv
+    return _cast(x32 * inv_full, f), scale
+
+
+def _decode_f8(q: Array) -> Array:
+    """float32(q) for an FP8 array, computed from its bits so that no compiler can cancel it against the cast.
+
+    bits = s | e (E bits) | m (M bits), bias b:  normal (e > 0)   -> f32 bits s<<31 | (e - b + 127)<<23 | m<<(23-M)
+                                                 subnormal (e = 0) -> (-1)^s * m * 2^(1 - b - M)
+    Exact for every finite code (inf/NaN codes never occur: the quantizer clips to ±fmt_max first).
+    """
+    fi = ml_dtypes.finfo(q.dtype)
+    E, M = int(fi.nexp), int(fi.nmant)
+    bias = 1 - int(fi.minexp)  # e4m3fn: 7, e5m2: 15
+    u = jax.lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.uint32)
+    sign = (u >> (E + M)) << 31
+    e = (u >> M) & ((1 << E) - 1)
+    m = u & ((1 << M) - 1)
+    normal = jax.lax.bitcast_convert_type(sign | ((e + (127 - bias)) << 23) | (m << (23 - M)), jnp.float32)
+    sub = m.astype(jnp.float32) * np.float32(2.0 ** (1 - bias - M))
+    sub = jnp.where(sign != 0, -sub, sub)
+    return jnp.where(e > 0, normal, sub)
+
+
+def _to_f32(q: Array) -> Array:
+    """float32 values of stored codes: FP8 through `_decode_f8`, int8 (and anything else) by a plain cast."""
+    if jnp.dtype(q.dtype).itemsize == 1 and jnp.issubdtype(q.dtype, jnp.floating):
+        return _decode_f8(q)
+    return q.astype(jnp.float32)
+
+
+def _dequantize_impl(q, scale, dtype, block):
+    """The one dequantizer behind `dequantize` and `qdq`: (f32(q) * scale) -> dtype, f32(q) from q's bits."""
+    scale = jnp.asarray(scale, jnp.float32)
+    if block is not None:
+        scale = _expand_block_scale(scale, q.shape, block)
+    return (_to_f32(q) * scale).astype(dtype)
+
+
+_STATIC = ("fmt", "granularity", "block", "axis", "channel_axis")
+_quantize_jit = jax.jit(_quantize_impl, static_argnames=_STATIC)
+_dequantize_jit = jax.jit(_dequantize_impl, static_argnames=("dtype", "block"))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("ste",))
+def _qdq_jit(x, scale, fmt, granularity, block, axis, channel_axis, ste):
+    q, s = _quantize_impl(x, scale, fmt, granularity, block, axis, channel_axis)
+    y = _dequantize_impl(q, s, x.dtype, block if granularity == "block" else None)
+    if ste:
+        y = jax.lax.stop_gradient(y) + (x - jax.lax.stop_gradient(x))
+    return y
+
+
+def _check_args(x: Array, fmt: str, granularity: str, block: Sequence[int], scale: Any):
+    f = _format(fmt)
+    _check_granularity(granularity)
+    block = _check_block(block)
+    if granularity == "block" and x.ndim < 2:
+        raise RecipeError(f"block granularity needs an array of rank >= 2, got shape {x.shape}")
+    if x.ndim == 0 and granularity != "tensor":
+        raise RecipeError(f"granularity {granularity!r} needs an array of rank >= 1, got a scalar")
+    return dict(fmt=f.name, granularity=granularity, block=block), (
+        None if scale is None else jnp.asarray(scale, jnp.float32))
+
+
+def quantize(x: Array, fmt: str, granularity: str = "tensor", *, block: Sequence[int] = (128, 128), axis: int = -1,
+             channel_axis: int = -1, scale: Array | float | None = None) -> tuple[Array, Array]:
+    """Quantize x to `fmt` with one scale per `granularity` group. Returns (q, scale).
+
+    scale = max(amax, AMAX_EPS) * (1/fmt_max) (float32), q = cast(clip(x * (1/scale), ±fmt_max)) in the storage
+    dtype (float8_e4m3fn, float8_e5m2 or int8). Scale shapes per granularity are in the module docstring:
+    tensor (), channel S with all axes but `channel_axis` -> 1, token S with `axis` -> 1, block
+    S[:-2] + (ceil(M/bm), ceil(N/bn)).
+
+    `scale` given: used as is (a fixed scale, e.g. 1.0 for vLLM's uncalibrated FP8 KV cache; it must broadcast
+    against x, or for "block" have the block-scale shape); no amax is computed. Finite inputs never give NaN/inf:
+    values beyond ±fmt_max * scale saturate. Works on any float input dtype (computed in float32).
+    """
+    x = jnp.asarray(x)
+    static, scale = _check_args(x, fmt, granularity, block, scale)
+    return _quantize_jit(x, scale, axis=axis, channel_axis=channel_axis, **static)
+
+
+def dequantize(q: Array, scale: Array, dtype: Any = jnp.float32, *, block: Sequence[int] | None = None) -> Array:
+    """x' = (float32(q) * scale) cast to `dtype`.
+
+    `scale` broadcasts against q for tensor/channel/token scales. A block scale [..., nM, nN] needs the `block` it
+    was made with (the padding makes the block size ambiguous from shapes alone); a rank < 2 scale is always
+    broadcast, so `block` may be passed for any granularity.
+    """
+    return _dequantize_jit(q, jnp.asarray(scale, jnp.float32), dtype=jnp.dtype(dtype),
+                           block=None if block is None else _check_block(block))
+
+
+def qdq(x: Array, fmt: str, granularity: str = "tensor", *, block: Sequence[int] = (128, 128), axis: int = -1,
+        channel_axis: int = -1, scale: Array | float | None = None, ste: bool = False) -> Array:
+    """Simulated quantization: dequantize(quantize(x, ...)) in x's dtype (f32, bf16, ...), one jit.
+
+    Built from the same quantizer and dequantizer as `quantize` / `dequantize`, so both paths agree bit-for-bit.
+    ste=True: straight-through estimator, value qdq(x), gradient identity. Written as
+    sg(qdq(x)) + (x - sg(x)), whose value is exactly qdq(x) (x - x = 0) and whose d/dx is 1.
+    ste=False: the plain composition (its gradient is that of the rounding function, mostly useless).
+    """
+    x = jnp.asarray(x)
+    static, scale = _check_args(x, fmt, granularity, block, scale)
+    return _qdq_jit(x, scale, axis=axis, channel_axis=channel_axis, ste=bool(ste), **static)
