@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from opdjax import quant  # noqa: E402
 from opdjax.core import mismatch
-from opdjax.learner.learner import Learner  # noqa: E402
+from opdjax.learner import Learner, make_optimizer  # noqa: E402
 from opdjax.models import decoder  # noqa: E402
 from opdjax.models.config import ModelConfig  # noqa: E402
 from opdjax.rollout.base import SamplingParams  # noqa: E402
@@ -192,7 +192,7 @@ def _rkl_batch(wl: Workload, rng: np.random.Generator) -> dict[str, np.ndarray]:
     tokens = rng.integers(0, V, (B, L)).astype(np.int32)
     comp = np.zeros((B, L), bool)
     comp[:, prompt:] = True
-    return {"tokens_BT": tokens, "valid_BT": np.ones((B, L), bool), "completion_mask_BT": comp,
+    return {"tokens_BT": tokens, "valid_BT": np.ones((B, L), bool), "mask_BT": comp,
             "rollout_logp_BT": np.where(comp, -rng.random((B, L)) * 5, 0).astype(np.float32),
             "teacher_logp_BT": np.where(comp, -rng.random((B, L)) * 5, 0).astype(np.float32)}
 
@@ -205,7 +205,8 @@ def _jax_learner(rep: Report, wl: Workload, batch, attention: str, remat: str = 
     cfg = wl.cfg
     graphdef, params = nnx.split(decoder.create(cfg, seed=0, dtype=jnp.bfloat16, param_dtype=jnp.float32,
                                                 attention=attention, remat=remat))
-    learner = Learner(graphdef, loss="reverse_kl_sampled", total_steps=1000)
+    tx, schedule = make_optimizer(lr=3e-4, total_steps=1000, warmup_steps=5, grad_clip=1.0, b2=0.99)
+    learner = Learner(graphdef, loss="reverse_kl_sampled", tx=tx, schedule=schedule)
     state = learner.init(params)
     del params
     t = time.perf_counter()
@@ -241,7 +242,7 @@ def _torch_learner(wl: Workload, batch) -> dict | None:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev == "cuda")
     tb = {k: torch.as_tensor(v, device=dev) for k, v in batch.items()}
-    tokens, mask = tb["tokens_BT"].long(), tb["completion_mask_BT"]
+    tokens, mask = tb["tokens_BT"].long(), tb["mask_BT"]
     amp_dtype = torch.bfloat16
 
     def step():

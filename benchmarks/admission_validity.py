@@ -33,8 +33,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-from opdjax.budget import admission  # noqa: E402
-from opdjax.budget import study as budget_mod
+from opdjax.budget import admit, fit, report  # noqa: E402
+from opdjax.budget import study as budget_mod  # noqa: E402
+from opdjax.budget.io import load_budget  # noqa: E402
+from opdjax.budget.records import Point  # noqa: E402
 
 # None of these is a point of configs/study_cpu.yaml (weight noise 0.01/0.03/0.05, staleness 2, recipes
 # fp8_weights_only, fp8_w8a8, fp8_w8a8_kv, e5m2_w8a8): every other shipped FP8/INT8 recipe (static per-tensor
@@ -54,14 +56,14 @@ DEFAULT_CANDIDATES = [
 ]
 
 
-def candidate_point(text: str) -> budget_mod.Point:
+def candidate_point(text: str) -> Point:
     """The candidate as a study point (group "validation"), trained with the study's own machinery."""
     from opdjax.config import _deep_update, parse_override
 
     nested: dict = {}
-    for item in admission.split_candidate(text):
+    for item in admit.split_candidate(text):
         _deep_update(nested, parse_override(item))
-    return budget_mod.Point("validation", "candidate", text.replace("rollout.", "").replace(",", "+"), nested,
+    return Point("validation", "candidate", text.replace("rollout.", "").replace(",", "+"), nested,
                             probe=False, label="cand")
 
 
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("candidates", nargs="*", default=None)
     args = ap.parse_args(argv)
     log = lambda m: print(m, flush=True)  # noqa: E731
-    budget = admission.load_budget(args.budget)
+    budget = load_budget(args.budget)
     bj = json.loads(pathlib.Path(args.budget).read_text())
     study = budget_mod.load_study(pathlib.Path(args.budget).parent / "study_config.yaml")
     baseline = bj["baseline"]
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
 
     # 1. The probe verdicts, exactly as `opdjax admit --budget ... CANDIDATES` computes them (one process).
     t0 = time.time()
-    admit_rows = admission.admit(candidates, budget, overrides=_base_overrides(study), batches=args.batches,
+    admit_rows = admit.admit(candidates, budget, overrides=_base_overrides(study), batches=args.batches,
                                  log=log)
     admit_wall = time.time() - t0
     # 2. The full-run verdicts: every study seed, as the study trains its points.
@@ -95,17 +97,17 @@ def main(argv=None) -> int:
         for s in study.seeds:
             rec = budget_mod.run_one(study, p, s, log)
             recs.append(rec)
-            log(f"{c} seed {s}: RKL {rec['reverse_kl']:.3f}, acc {rec['accuracy']:.3f}"
-                f"{' (reused)' if rec['reused'] else ''}")
-        losses = budget_mod.quality_losses(recs, baseline, study.quality)
+            log(f"{c} seed {s}: RKL {rec.reverse_kl:.3f}, acc {rec.accuracy:.3f}"
+                f"{' (reused)' if rec.reused else ''}")
+        losses = fit.quality_losses(recs, baseline, study.quality)
         q = float(sum(losses) / len(losses))
         should = q <= bj["delta"]
         rows.append({"candidate": c, "m": a.m, "ci": [a.ci_low, a.ci_high], "verdict": a.verdict,
-                     "probe_seconds": a.seconds, "reverse_kl_seeds": [r["reverse_kl"] for r in recs],
-                     "accuracy_seeds": [r["accuracy"] for r in recs], "q_loss": q, "q_loss_seeds": losses,
-                     "m_train": budget_mod._finite_mean(r["m_train_k3"] for r in recs),
+                     "probe_seconds": a.seconds, "reverse_kl_seeds": [r.reverse_kl for r in recs],
+                     "accuracy_seeds": [r.accuracy for r in recs], "q_loss": q, "q_loss_seeds": losses,
+                     "m_train": fit._finite_mean(r.m_train_k3 for r in recs),
                      "should_admit": should, "agree": (a.verdict == "ADMIT") == should,
-                     "seeds_straddle_delta": budget_mod.straddles(losses, bj["delta"])})
+                     "seeds_straddle_delta": fit.straddles(losses, bj["delta"])})
 
     point_s = [p["seconds"] for p in bj["points"]]
     mean_point = sum(point_s) / len(point_s)
@@ -119,9 +121,9 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.budget).parent
     (out / "validity.json").write_text(json.dumps(rep, indent=2) + "\n")
     bj["validity"] = rep
-    (out / "summary.md").write_text(budget_mod.summary_markdown(bj))
+    (out / "summary.md").write_text(report.summary_markdown(bj))
     print()
-    print(budget_mod.validity_markdown(rep))
+    print(report.validity_markdown(rep))
     print(f"wrote {out / 'validity.json'}; {out / 'summary.md'} now has the table")
     return 0
 

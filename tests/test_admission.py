@@ -341,3 +341,29 @@ def test_calibration_warning_names_the_setup_that_differs(tmp_path):
     assert bio.calibration_warning(Budget("k3", 0.01), {"student_sha256": "c" * 64}) is None  # no record
     with pytest.raises(AdmissionError, match="'calibrated_on' must be an object"):
         bio.load_budget(write_budget(tmp_path, calibrated_on="yesterday"))
+
+
+def test_recipe_search_resolves_recipes_without_touching_the_registry():
+    """No hidden global state: the searched recipes travel as Recipe objects in `rollout.recipe`; quant.RECIPES is
+    the same dict with the same presets afterwards, and the probes saw the recipes themselves."""
+    before = dict(quant.RECIPES)
+    probe = FakeProbe(0.0)
+    search.recipe_search(admit.candidate_config(None, []), Budget("k3", 0.001, None), margin=0.8, probe_fn=probe,
+                         mcfg=MCFG, log=lambda s: None)
+    assert quant.RECIPES == before
+    assert probe.calls and all(isinstance(c.rollout.recipe, quant.Recipe) for c in probe.calls)
+
+
+def test_rollout_recipe_accepts_a_preset_a_file_or_a_recipe(tmp_path):
+    from opdjax.config import ConfigError, TrainConfig, load
+
+    rec = search.full_fp8_recipe(keep=search.units(MCFG.num_layers, "layer")[:1], name="kept0")
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(rec.to_dict()))
+    assert load(TrainConfig, None, ["rollout.recipe=fp8_w8a8"]).rollout.recipe == "fp8_w8a8"
+    assert quant.as_recipe(load(TrainConfig, None, [f"rollout.recipe={path}"]).rollout.recipe) == rec
+    cfg = load(TrainConfig, None, [])
+    cfg.rollout.recipe = rec
+    assert cfg.validate().rollout.recipe is rec
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(TrainConfig, None, [f"rollout.recipe={tmp_path / 'missing.yaml'}"])

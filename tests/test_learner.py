@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from opdjax.core.logprobs import token_logprobs
-from opdjax.learner.learner import Learner
+from opdjax.learner import Learner, make_optimizer
 from opdjax.models import decoder
 from opdjax.models.config import ModelConfig
 
@@ -72,13 +72,14 @@ def test_learner_step_mixed_precision_keeps_f32_params_and_matches_f32_loss():
     comp = np.asarray(valid).copy()
     comp[:, :5] = False
     rng = np.random.default_rng(1)
-    batch = {"tokens_BT": np.asarray(tokens), "valid_BT": np.asarray(valid), "completion_mask_BT": comp,
+    batch = {"tokens_BT": np.asarray(tokens), "valid_BT": np.asarray(valid), "mask_BT": comp,
              "rollout_logp_BT": np.where(comp, -rng.random(comp.shape), 0.0).astype(np.float32),
              "teacher_logp_BT": np.where(comp, -rng.random(comp.shape), 0.0).astype(np.float32)}
     losses = {}
     for dtype in (jnp.float32, jnp.bfloat16):
         graphdef, params = nnx.split(decoder.create(CFG, seed=1, dtype=dtype, param_dtype=jnp.float32))
-        learner = Learner(graphdef, total_steps=10, logprob_chunk=4)
+        tx, schedule = make_optimizer(lr=3e-4, total_steps=10, warmup_steps=5, grad_clip=1.0, b2=0.99)
+        learner = Learner(graphdef, tx=tx, schedule=schedule, logprob_chunk=4)
         state = learner.init(params)
         state, m = learner.train_step(state, batch)
         assert all(np.isfinite(v) for v in m.values()), m

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from opdjax.config import TrainConfig, load
-from opdjax.learner.learner import latest_step
+from opdjax.learner import latest_step
 from opdjax.models import load_state
 from opdjax.models.tiny import make_tiny
 from opdjax.pipeline import loop as pipeline

@@ -36,12 +36,13 @@ def test_opd_with_vllm_rollouts_publishes_every_step(vllm_module, tmp_path, mode
 def test_admit_probes_real_vllm_candidates(vllm_module, pair):
     """`opdjax admit` with VllmEngine candidates: f32 vLLM is admitted at a tiny budget; the recipe fp8_kv_only
     (translated to kv_cache_dtype=fp8) measurably raises M."""
-    from opdjax.budget import admission
+    from opdjax.budget import admit
+    from opdjax.budget.io import Budget
 
     glob = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
             "rollout.max_new_tokens=4", "pipeline.progress=false", "pipeline.tensorboard=false",
             "rollout.vllm={kv_cache_memory_bytes: 33554432, max_num_seqs: 16}"]
-    rows = admission.admit(["rollout.engine=vllm", "rollout.engine=vllm,rollout.recipe=fp8_kv_only"],
-                           admission.Budget("k3", 1e-6), overrides=glob, batches=2, log=lambda s: None)
+    rows = admit.admit(["rollout.engine=vllm", "rollout.engine=vllm,rollout.recipe=fp8_kv_only"],
+                           Budget("k3", 1e-6), overrides=glob, batches=2, log=lambda s: None)
     assert rows[0].verdict == "ADMIT" and rows[0].m < 1e-6
     assert rows[1].m > 10 * max(rows[0].m, 1e-9) and rows[1].verdict in ("REJECT", "UNCERTAIN")

@@ -17,6 +17,10 @@ import numpy as np
 import pytest
 
 from opdjax import quant as Q
+from opdjax.core import layout
+from opdjax.quant import formats as QF
+from opdjax.quant import hooks as QH
+from opdjax.rollout.perturb import add_weight_noise
 
 FMT_NP = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0),
           "int8": (np.int8, 127.0)}
@@ -198,7 +202,7 @@ def test_quantize_then_dequantize_equals_qdq_bit_for_bit_eager_and_jit(fmt):
 def test_f8_bit_decoder_equals_ml_dtypes_cast_for_every_finite_code(dt):
     codes = np.arange(256, dtype=np.uint8).view(dt)
     ref = codes.astype(np.float32)
-    got = np.asarray(jax.jit(Q._decode_f8)(jnp.asarray(codes)))
+    got = np.asarray(jax.jit(QF._decode_f8)(jnp.asarray(codes)))
     finite = np.isfinite(ref)
     assert finite.sum() >= 248
     np.testing.assert_array_equal(bits(got[finite]), bits(ref[finite]))
@@ -238,10 +242,10 @@ def test_check_effective_reports_fractions_and_raises_when_rounding_is_removed(m
     assert Q.check_effective("none") == {}
     # A compiler that drops the rounding is simulated by a cast that does nothing: every part must be refused,
     # and so must an engine built with the recipe.
-    monkeypatch.setattr(Q, "_cast", lambda y, f: y)
-    monkeypatch.setattr(Q, "_to_f32", lambda q: q.astype(jnp.float32))
-    Q._changed_fraction.cache_clear()
-    Q._qdq_jit.clear_cache()
+    monkeypatch.setattr(QF, "_cast", lambda y, f: y)
+    monkeypatch.setattr(QF, "_to_f32", lambda q: q.astype(jnp.float32))
+    QH._changed_fraction.cache_clear()
+    QF._qdq_jit.clear_cache()
     try:
         with pytest.raises(Q.IneffectiveQuantError, match=r"fp8_weights_only.*unchanged on backend 'cpu'"):
             Q.check_effective("fp8_weights_only", jnp.bfloat16)
@@ -252,8 +256,8 @@ def test_check_effective_reports_fractions_and_raises_when_rounding_is_removed(m
         with pytest.raises(Q.IneffectiveQuantError, match="measure nothing"):
             JaxEngine(ModelConfig(), recipe="fp8_w8a8")
     finally:
-        Q._changed_fraction.cache_clear()
-        Q._qdq_jit.clear_cache()
+        QH._changed_fraction.cache_clear()
+        QF._qdq_jit.clear_cache()
 
 
 def test_bad_format_and_granularity_raise_with_valid_names():
@@ -276,7 +280,7 @@ def _tiny_named(dtype=jnp.float32, layers=2, E=32, F=32, V=64):
     cfg = types.SimpleNamespace(vocab_size=V, hidden_size=E, intermediate_size=F, num_layers=layers, num_heads=2,
                                 num_kv_heads=2, head_dim=16, tie_word_embeddings=False, attention_bias=True,
                                 qk_norm=True)
-    for i, (name, shape) in enumerate(Q.llama_weight_shapes(cfg).items()):
+    for i, (name, shape) in enumerate(layout.weight_shapes(cfg).items()):
         named[name] = (jax.random.normal(jax.random.fold_in(key, i), shape) * 0.1).astype(dtype)
     return named
 
@@ -434,7 +438,7 @@ def _rms(x):
 def test_relative_noise_std_matches_sigma_times_rms_and_preserves_dtypes():
     p = _params()
     sigma = 0.05
-    noisy = Q.add_weight_noise(p, sigma, jax.random.key(0))
+    noisy = add_weight_noise(p, sigma, jax.random.key(0))
     assert jax.tree.structure(noisy) == jax.tree.structure(p)
     for path in (("a", "kernel"), ("emb",)):
         w, n = p, noisy
@@ -445,27 +449,27 @@ def test_relative_noise_std_matches_sigma_times_rms_and_preserves_dtypes():
         assert np.std(d) == pytest.approx(sigma * _rms(w), rel=0.06), path
     assert noisy["step"] is p["step"]
     # absolute mode
-    ab = Q.add_weight_noise(p, 0.01, jax.random.key(0), mode="absolute")
+    ab = add_weight_noise(p, 0.01, jax.random.key(0), mode="absolute")
     assert np.std(np.asarray(ab["a"]["kernel"]) - np.asarray(p["a"]["kernel"])) == pytest.approx(0.01, rel=0.05)
 
 
 def test_noise_sigma_zero_identity_deterministic_and_filter():
     p = _params()
-    assert Q.add_weight_noise(p, 0.0, jax.random.key(0)) is p
-    n1 = Q.add_weight_noise(p, 0.1, jax.random.key(3))
-    n2 = Q.add_weight_noise(p, 0.1, jax.random.key(3))
-    n3 = Q.add_weight_noise(p, 0.1, jax.random.key(4))
+    assert add_weight_noise(p, 0.0, jax.random.key(0)) is p
+    n1 = add_weight_noise(p, 0.1, jax.random.key(3))
+    n2 = add_weight_noise(p, 0.1, jax.random.key(3))
+    n3 = add_weight_noise(p, 0.1, jax.random.key(4))
     np.testing.assert_array_equal(n1["a"]["kernel"], n2["a"]["kernel"])
     assert not np.array_equal(n1["a"]["kernel"], n3["a"]["kernel"])
     # independent keys per leaf: leaves of identical shape and content get different noise
     same = {"x": jnp.ones((64, 64)), "y": jnp.ones((64, 64))}
-    ns = Q.add_weight_noise(same, 0.1, jax.random.key(0))
+    ns = add_weight_noise(same, 0.1, jax.random.key(0))
     assert not np.array_equal(ns["x"], ns["y"])
-    only_kernels = Q.add_weight_noise(p, 0.1, jax.random.key(3), filter=lambda path: path.endswith("kernel"))
+    only_kernels = add_weight_noise(p, 0.1, jax.random.key(3), filter=lambda path: path.endswith("kernel"))
     assert only_kernels["emb"] is p["emb"] and only_kernels["a"]["bias"] is p["a"]["bias"]
     np.testing.assert_array_equal(only_kernels["a"]["kernel"], n1["a"]["kernel"])
     with pytest.raises(ValueError, match="relative"):
-        Q.add_weight_noise(p, 0.1, jax.random.key(0), mode="gauss")
+        add_weight_noise(p, 0.1, jax.random.key(0), mode="gauss")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -477,7 +481,7 @@ LLAMA_8B = types.SimpleNamespace(vocab_size=128256, hidden_size=4096, intermedia
 
 
 def test_weight_shapes_count_matches_closed_form_parameter_count():
-    n = sum(int(np.prod(s)) for s in Q.llama_weight_shapes(LLAMA_8B).values())
+    n = sum(int(np.prod(s)) for s in layout.weight_shapes(LLAMA_8B).values())
     E, F, L, V = 4096, 14336, 32, 128256
     assert n == 2 * V * E + L * (2 * E * E + 2 * E * 1024 + 3 * E * F + 2 * E) + E == 8_030_261_248
     assert Q.weight_bytes(LLAMA_8B) == 2 * n
@@ -503,7 +507,7 @@ def test_fp8_kv_halves_bytes_per_token_and_more_than_doubles_capacity():
     assert ratio >= 1.9 and ratio > 2.0
     assert Q.kv_capacity_tokens(LLAMA_8B, 1e9) == 0
     tied = types.SimpleNamespace(**{**vars(LLAMA_8B), "tie_word_embeddings": True})
-    assert "lm_head.weight" not in Q.llama_weight_shapes(tied)
+    assert "lm_head.weight" not in layout.weight_shapes(tied)
 
 
 def test_block_and_channel_scale_overheads_counted():

@@ -54,7 +54,7 @@ def _cmd_admit(args) -> int:
         p = pathlib.Path(args.out)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps({"budget": dataclasses.asdict(budget), "all_admitted": exit_code(rows) == 0,
-                                 "candidates": [dataclasses.asdict(r) for r in rows]}, indent=2) + "\n")
+                                 "candidates": [r.to_dict() for r in rows]}, indent=2) + "\n")
         print(f"wrote {p}")
     return exit_code(rows)
 
