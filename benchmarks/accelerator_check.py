@@ -19,7 +19,7 @@ torch; no vLLM). Prints a markdown table (and writes it, with every figure, as J
             per-tensor scale, FP8 activations with a per-token scale; weights-only: FP8 weights dequantized into a
             bf16 GEMM, as Marlin kernels do). Goal sim/real within 0.8-1.25.
 
---small runs the same code on a tiny model in seconds on CPU (tests/test_accelerator_check.py uses it), where
+--small runs the same code on a tiny model in seconds on CPU (tests/benchmarks/test_accelerator_check.py uses it), where
 torch._scaled_mm may be missing: then "real" falls back to torch's own FP8 casts (labelled torch-cast).
 Sections run in order of importance and each is skipped, with a note, once the --budget-s is spent.
 

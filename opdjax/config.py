@@ -26,6 +26,7 @@ from opdjax.models.config import FAMILIES
 from opdjax.models.decoder import ATTENTION_IMPLS, REMAT_POLICIES
 from opdjax.models.tiny import SIZES
 from opdjax.quant import Recipe
+from opdjax.sync.links import TRANSPORTS
 
 
 def _choice(section: str, key: str, value: Any, choices) -> None:
@@ -215,6 +216,17 @@ class PipelineConfig:
 
 
 @dataclasses.dataclass
+class SyncConfig:
+    transport: str = "inproc"        # inproc | shm (snapshots in shared memory) | tcp (authenticated socket)
+    root: str = ""                   # shm: snapshot directory ("": a fresh one under /dev/shm, removed at the end)
+    timeout: float = 60.0            # seconds one publish may take before it fails
+
+    def validate(self):
+        _choice("sync", "transport", self.transport, set(TRANSPORTS))
+        _positive("sync", "timeout", self.timeout)
+
+
+@dataclasses.dataclass
 class MeshConfig:
     shape: tuple = (1, -1, 1)        # (data, fsdp, tensor); one -1 = all remaining devices
 
@@ -235,6 +247,7 @@ class TrainConfig:
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def validate(self) -> "TrainConfig":

@@ -118,21 +118,21 @@ def probe(cfg: TrainConfig, *, batches: int = 4, metric: str = "k3", seed: int =
     """Measure M for the engine configuration in `cfg.rollout` on the configured student (no training)."""
     t0 = time.time()
     k = cfg.rollout.stale_versions
-    run = build(cfg, log=log, with_teacher=bool(k))
-    state = run.learner.init(run.params)
-    stream = PromptStream(run.task, seed=cfg.seed + 31 + seed)
-    learner_version = 0
-    if k:
-        # Throwaway steps, each published: the engine (stale_versions=k) serves version W while the learner is at
-        # W + k.
-        for i in range(cfg.optim.warmup_steps + k):
-            examples = stream.next(cfg.rollout.batch_size)
-            batch = generate(run, examples, seed=10_000 + i)
-            state, _ = run.learner.train_step(state, learner_batch(run, batch, examples))
-            learner_version = i + 1
-            publish(run, state.params, learner_version)
-    res = rescore(lambda b: generate(run, stream.next(cfg.rollout.batch_size), seed=20_000 + 97 * seed + b),
-                  lambda batch: run.learner.logp(state.params, batch.tokens_BT, batch.valid_BT), range(batches))
+    with build(cfg, log=log, with_teacher=bool(k)) as run:
+        state = run.learner.init(run.params)
+        stream = PromptStream(run.task, seed=cfg.seed + 31 + seed)
+        learner_version = 0
+        if k:
+            # Throwaway steps, each published: the engine (stale_versions=k) serves version W while the learner is at
+            # W + k.
+            for i in range(cfg.optim.warmup_steps + k):
+                examples = stream.next(cfg.rollout.batch_size)
+                batch = generate(run, examples, seed=10_000 + i)
+                state, _ = run.learner.train_step(state, learner_batch(run, batch, examples))
+                learner_version = i + 1
+                publish(run, state.params, learner_version)
+        res = rescore(lambda b: generate(run, stream.next(cfg.rollout.batch_size), seed=20_000 + 97 * seed + b),
+                      lambda batch: run.learner.logp(state.params, batch.tokens_BT, batch.valid_BT), range(batches))
     m, lo, hi = res.estimate(metric, seed)
     return ProbeResult(metric=metric, m=m, ci_low=lo, ci_high=hi, metrics=res.metrics(), seconds=time.time() - t0,
                        tokens=res.tokens, staleness=learner_version - res.min_version)
@@ -162,12 +162,13 @@ def kv_amax(cfg: TrainConfig, *, batches: int = 2, seed: int = 0, log=print) -> 
     """
     clean = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, recipe="none", weight_noise=0.0,
                                                                   stale_versions=0))
-    run = build(clean, log=log, with_teacher=False)
-    stream = PromptStream(run.task, seed=cfg.seed + 977 + seed)
-    out = np.zeros((run.student_cfg.num_layers, 2))
-    for b in range(batches):
-        batch = generate(run, stream.next(cfg.rollout.batch_size), seed=30_000 + 97 * seed + b)
-        out = np.maximum(out, cache_amax(run.graphdef, run.params, run.student_cfg, batch.tokens_BT, batch.valid_BT))
+    with build(clean, log=log, with_teacher=False) as run:
+        stream = PromptStream(run.task, seed=cfg.seed + 977 + seed)
+        out = np.zeros((run.student_cfg.num_layers, 2))
+        for b in range(batches):
+            batch = generate(run, stream.next(cfg.rollout.batch_size), seed=30_000 + 97 * seed + b)
+            amax = cache_amax(run.graphdef, run.params, run.student_cfg, batch.tokens_BT, batch.valid_BT)
+            out = np.maximum(out, amax)
     return out
 
 

@@ -1,4 +1,5 @@
-"""Config -> a typed `Run`: models resolved (built-in pair prepared once), engine, teacher, learner, mesh.
+"""Config -> a typed `Run`: models resolved (built-in pair prepared once), engine, teacher, learner, mesh, and the
+publisher that sends the learner's weights to the engine over the `sync.transport` link.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from opdjax.models.tiny import load_tokenizer
 from opdjax.rollout import RolloutEngine, SamplingParams
 from opdjax.rollout.jax_engine import JaxEngine
 from opdjax.rollout.vllm_engine import VllmEngine  # vLLM itself is imported on first use
+from opdjax.sync import Link, Publisher, open_link
+from opdjax.sync.manifest import np_dtype
 from opdjax.teacher import JaxTeacher, Teacher, check_same_vocab
 from opdjax.teacher.vllm_teacher import VllmTeacher
 
-__all__ = ["Run", "build", "make_engine", "make_teacher", "resolve_models", "sampling_params"]
+__all__ = ["Run", "build", "make_engine", "make_publisher", "make_teacher", "resolve_models", "sampling_params"]
 
 
 @dataclasses.dataclass
@@ -44,6 +47,20 @@ class Run:
     learner: Learner
     mesh: Mesh
     out_dir: pathlib.Path
+    publisher: Publisher             # learner -> engine, through the link `sync.transport` names
+    links: list[Link] = dataclasses.field(default_factory=list)
+
+    def close(self) -> None:
+        """Release what the run opened for publishing (sockets, snapshot directories)."""
+        for link in self.links:
+            link.close()
+        self.links.clear()
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def resolve_models(cfg: TrainConfig, log=print) -> tuple[str, str]:
@@ -73,6 +90,14 @@ def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, p
                      noise_mode=r.noise_mode,
                      stale_versions=r.stale_versions, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
                      dtype=np.dtype(r.dtype) if r.dtype == "float32" else "bfloat16")
+
+
+def make_publisher(cfg: TrainConfig, student_cfg: ModelConfig, engine: RolloutEngine) -> tuple[Publisher, Link]:
+    """The run's publisher: the learner's params -> HF-named tensors in the engine's dtype -> the engine, through
+    the link `sync.transport` names (the engine's own receiver validates and applies each version)."""
+    receiver = engine.receiver
+    link = open_link(cfg.sync.transport, receiver, root=cfg.sync.root or None, timeout=cfg.sync.timeout)
+    return Publisher(student_cfg, link, dtype=np_dtype(receiver.spec.dtype)), link
 
 
 def make_teacher(cfg: TrainConfig, teacher_path: str, mesh: Mesh) -> Teacher:
@@ -107,10 +132,12 @@ def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True) -> Run:
     learner = Learner(graphdef, loss=cfg.loss.name, loss_options=loss_options, correction=correction, tx=tx,
                       schedule=schedule, temperature=max(cfg.rollout.temperature, 1e-6), mesh=mesh,
                       logprob_chunk=st.logprob_chunk)
+    engine = make_engine(cfg, student_path, student_cfg, params, tokenizer)
+    publisher, link = make_publisher(cfg, student_cfg, engine)
     return Run(cfg=cfg, tokenizer=tokenizer, task=task, student_cfg=student_cfg, graphdef=graphdef, params=params,
-               teacher=make_teacher(cfg, teacher_path, mesh) if with_teacher else None,
-               engine=make_engine(cfg, student_path, student_cfg, params, tokenizer),
-               learner=learner, mesh=mesh, out_dir=pathlib.Path(cfg.pipeline.out_dir))
+               teacher=make_teacher(cfg, teacher_path, mesh) if with_teacher else None, engine=engine,
+               learner=learner, mesh=mesh, out_dir=pathlib.Path(cfg.pipeline.out_dir), publisher=publisher,
+               links=[link])
 
 
 def sampling_params(cfg: TrainConfig, tokenizer, *, temperature: float | None = None) -> SamplingParams:

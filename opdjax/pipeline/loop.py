@@ -75,7 +75,12 @@ def _sample(run: Run, stream: PromptStream, seed: int) -> _Rollout:
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run OPD as configured; returns the summary (also written to <out_dir>/summary.json)."""
-    run = build(cfg, log)
+    with build(cfg, log) as run:
+        return _train(run, log)
+
+
+def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
+    cfg = run.cfg
     pc = cfg.pipeline
     run.out_dir.mkdir(parents=True, exist_ok=True)
     (run.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))

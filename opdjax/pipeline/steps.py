@@ -7,7 +7,6 @@ import numpy as np
 
 from opdjax.core.types import Batch
 from opdjax.data.prompts import encode_prompts
-from opdjax.models import hf
 from opdjax.pipeline.build import Run, sampling_params
 from opdjax.rollout import RolloutBatch
 
@@ -58,5 +57,6 @@ def generate(run: Run, examples, seed: int, *, engine=None, temperature=None) ->
 
 
 def publish(run: Run, params, version: int) -> None:
-    """Send the learner's weights to the engine as `version` (HF names, HF layout; gathered to the host)."""
-    run.engine.update_weights(hf.named_params(run.student_cfg, params), version)
+    """Send the learner's weights to the engine as `version` through the run's publisher (HF names and layout,
+    the engine's dtype; sharded params gathered; returns once the engine has applied the version)."""
+    run.publisher.publish(params, version)

@@ -46,6 +46,7 @@ from opdjax.models.sharding import batch_sharding, shard_state
 from opdjax.quant import forward_quant
 from opdjax.rollout.base import RolloutBatch, SamplingParams, check_token_ids
 from opdjax.rollout.perturb import add_weight_noise
+from opdjax.sync import ModelSpec, WeightReceiver
 
 Array = jax.Array
 
@@ -354,6 +355,15 @@ class JaxEngine:
             state = hf.state_from_named(self.cfg, named_arrays, self._template,
                                         source=f"update_weights(version={version})")
             self._publish(self._derive(self._cast(state), version), version)
+
+    @functools.cached_property
+    def receiver(self) -> WeightReceiver:
+        """The bridge's engine side for this engine: a publish is validated against the model, then applied."""
+        return WeightReceiver(self, ModelSpec.from_config(self.cfg, self.dtype), name="jax engine")
+
+    def apply_weights(self, named, version: int) -> None:
+        """Receiver target: (HF name, HF-layout array) pairs -> `update_weights` (the arrays are copied)."""
+        self.update_weights(dict(named), version)
 
     def _cast(self, state: nnx.State) -> nnx.State:
         # Always a private copy: the caller (a learner) may donate its buffers to the next step while this

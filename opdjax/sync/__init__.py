@@ -5,9 +5,11 @@ HF-named tensors (`publisher.hf_stream`, the HF interop name table; bf16/f32, or
 `quant.quantize_named`) with a versioned `Manifest` (names, shapes, dtypes, CRC-32s). Engine side:
 `WeightReceiver(target, ModelSpec)` validates a publish completely before touching the engine and applies it all
 or nothing. Transports: in-process (DLPack, no copy), atomic file/shared-memory snapshots, TCP with a shared-secret
-token. See each module's docstring.
+token. `open_link(sync.transport, receiver)` pairs a transport with its engine-side end for a run (`links`).
+See each module's docstring.
 """
 
+from opdjax.sync.links import TRANSPORTS, Link, open_link
 from opdjax.sync.manifest import BridgeError, Manifest, ModelSpec, TensorEntry, build_manifest, validate
 from opdjax.sync.publisher import Publisher, hf_stream, prepare
 from opdjax.sync.receiver import ArrayTarget, WeightReceiver, payload_views
@@ -20,7 +22,9 @@ from opdjax.sync.transports import (
                                     snapshot_payload,
 )
 
-__all__ = ["ArrayTarget", "BridgeError", "InProcessTransport", "Manifest", "ModelSpec", "Publisher",
+__all__ = ["TRANSPORTS", "ArrayTarget", "BridgeError", "InProcessTransport", "Link", "Manifest", "ModelSpec",
+           "Publisher",
            "SnapshotTransport", "SnapshotWatcher", "TcpReceiverServer", "TcpTransport", "TensorEntry",
-           "WeightReceiver", "build_manifest", "default_snapshot_root", "hf_stream", "payload_views", "prepare",
+           "WeightReceiver", "build_manifest", "default_snapshot_root", "hf_stream", "open_link", "payload_views",
+           "prepare",
            "snapshot_payload", "validate"]

@@ -74,11 +74,18 @@ class WeightReceiver:
         self.verify_checksums = bool(verify_checksums)
         self.name = name
         self.refusals: list[str] = []
+        self._received: int | None = None
         self._lock = threading.Lock()
 
     @property
     def version(self) -> int:
+        """The version the target serves (an engine serving stale weights serves an older one than it holds)."""
         return int(self.target.version)
+
+    @property
+    def received_version(self) -> int:
+        """The newest version this receiver has applied (or the served one, before any)."""
+        return self.version if self._received is None else max(self._received, self.version)
 
     def refuse(self, message: str, cause: BaseException | None = None) -> BridgeError:
         """Log and record a refusal; returns the BridgeError to raise."""
@@ -138,6 +145,7 @@ class WeightReceiver:
             raise self.refuse(str(e)) from None
         except Exception as e:  # the target promises all-or-nothing; report what failed
             raise self.refuse(f"v{v}: applying the update failed ({type(e).__name__}: {e})", e) from e
+        self._received = v
         log.info("%s now serves weight version %d (%d tensors, %.1f MB)", self.name, v, len(arrays),
                  manifest.total_bytes / 1e6)
 

@@ -324,7 +324,7 @@ class SnapshotWatcher:
 
         A refused snapshot raises `BridgeError` (the engine keeps its version)."""
         v = self.latest()
-        if v is None or v <= self.receiver.version:
+        if v is None or v <= self.receiver.received_version:
             return None
         d = self.root / f"v{v:010d}"
         fd = -1

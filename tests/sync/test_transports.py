@@ -6,10 +6,8 @@ import threading
 
 import numpy as np
 import pytest
-from flax import nnx
 
-from opdjax.models import decoder, hf
-from opdjax.models.tiny import tiny_config
+from opdjax.models import hf
 from opdjax.sync import (
     ArrayTarget,
     BridgeError,
@@ -25,16 +23,6 @@ from opdjax.sync import (
 from opdjax.sync import tcp as T
 
 TOKEN = "s3cret-token"
-
-
-@pytest.fixture(scope="module")
-def cfg():
-    return tiny_config("qwen3", "tiny", vocab_size=320)
-
-
-@pytest.fixture(scope="module")
-def params(cfg):
-    return [nnx.state(decoder.create(cfg, seed=s)) for s in range(4)]
 
 
 @pytest.fixture()

@@ -108,3 +108,15 @@ def test_real_checkpoints_with_jsonl_prompts(pair, tmp_path):
     assert cfg.task.name == "jsonl"
     summary = pipeline.train(cfg, log=lambda s: None)
     assert summary["steps"] == 2 and 0.0 <= summary["final"]["eval/accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_publishing_over_a_wire_transport_trains_exactly_as_in_process(pair, tmp_path, transport):
+    """sync.transport only changes how the bytes travel: same f32 weights served, same run, same figures."""
+    a = pipeline.train(_cfg(pair, tmp_path / "a", "pipeline.steps=2"), log=lambda s: None)
+    b = pipeline.train(_cfg(pair, tmp_path / "b", "pipeline.steps=2", f"sync.transport={transport}"),
+                       log=lambda s: None)
+    assert a["final"] == b["final"]
+    la = [x for x in _lines(tmp_path / "a") if "loss" in x]
+    lb = [x for x in _lines(tmp_path / "b") if "loss" in x]
+    assert [x["loss"] for x in la] == [x["loss"] for x in lb]
