@@ -1,4 +1,4 @@
-"""vLLM as the rollout engine (`VllmEngine`) and as the teacher (`VllmTeacher`).
+"""vLLM as the rollout engine (`VllmEngine`; the vLLM teacher is `opdjax.teacher.vllm_teacher.VllmTeacher`).
 
 `VllmEngine` builds one `vllm.LLM` (in-process by default: VLLM_ENABLE_V1_MULTIPROCESSING=0 unless already set),
 works on token ids only (no tokenizer), and returns the same `RolloutBatch` as the embedded `JaxEngine`: prompts
@@ -7,7 +7,8 @@ runs with `logprobs_mode="processed_logprobs"`, so `rollout_logp_BT` holds each 
 temperature / top-k / top-p (greedy, temperature 0: the log-softmax at temperature 1); `version_B` is the weight
 version vLLM tagged each output with (`set_weight_version`).
 
-Weights: `update_weights(named_arrays, version)` publishes HF-named, HF-layout arrays through the bridge's
+Weights: a run publishes to `engine.receiver` over the link `sync.transport` names; `update_weights(named_arrays,
+version)` (library use) publishes HF-named, HF-layout arrays through the bridge's
 in-process transport (validated against the model's `ModelSpec` before anything is touched; JAX arrays reach
 torch through DLPack), applies them with `collective_rpc("reload_weights", weights_iterator=...)`, resets the prefix
 cache (cached prompt KV of the old weights must not serve new rollouts) and tags outputs with the new version.
