@@ -34,6 +34,13 @@ def _choice(section: str, key: str, value: Any, choices) -> None:
         raise ConfigError(f"{section}.{key}={value!r} is not valid; choose one of {sorted(choices)}")
 
 
+def _endpoints(section: str, value) -> None:
+    for e in value:
+        host, _, port = str(e).rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"{section}.endpoints: {e!r} is not host:port (e.g. 127.0.0.1:8300)")
+
+
 def _positive(section: str, key: str, value, *, zero_ok: bool = False) -> None:
     if value < 0 or (value == 0 and not zero_ok):
         raise ConfigError(f"{section}.{key} must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
@@ -98,6 +105,7 @@ class RolloutConfig:
     dtype: str = "float32"           # engine compute dtype
     seed: int = 0
     vllm: dict = dataclasses.field(default_factory=dict)  # extra vllm.LLM kwargs (kv_cache_dtype, ...)
+    endpoints: tuple = ()            # host:port of rollout servers (`opdjax serve`); rows are shared over them
 
     def validate(self):
         _choice("rollout", "engine", self.engine, {"jax", "vllm"})
@@ -109,6 +117,7 @@ class RolloutConfig:
         _positive("rollout", "weight_noise", self.weight_noise, zero_ok=True)
         _choice("rollout", "noise_mode", self.noise_mode, {"fixed", "per_version"})
         _positive("rollout", "stale_versions", self.stale_versions, zero_ok=True)
+        _endpoints("rollout", self.endpoints)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p!r}")
 
@@ -147,6 +156,7 @@ class TeacherConfig:
     top_k: int = 16                  # top-k the teacher returns when the loss needs it
     temperature: float = 1.0         # the target distribution is softmax(teacher logits / temperature)
     dtype: str = "float32"
+    endpoints: tuple = ()            # host:port of teacher servers (`opdjax serve --role teacher`)
 
     def validate(self):
         _choice("teacher", "engine", self.engine, {"jax", "vllm"})
@@ -217,13 +227,19 @@ class PipelineConfig:
 
 @dataclasses.dataclass
 class SyncConfig:
-    transport: str = "inproc"        # inproc | shm (snapshots in shared memory) | tcp (authenticated socket)
+    transport: str = "auto"          # auto (inproc locally, tcp to servers) | inproc | shm | tcp
     root: str = ""                   # shm: snapshot directory ("": a fresh one under /dev/shm, removed at the end)
     timeout: float = 60.0            # seconds one publish may take before it fails
+    token_file: str = ""             # servers: file holding the shared secret (HTTP bearer token and bridge HMAC)
+    request_timeout: float = 120.0   # servers: seconds one generate/score request may take
+    retries: int = 3                 # servers: extra attempts of a failed share (exponential backoff)
+    wait_s: float = 60.0             # servers: how long to wait when none answers before the run stops
 
     def validate(self):
-        _choice("sync", "transport", self.transport, set(TRANSPORTS))
-        _positive("sync", "timeout", self.timeout)
+        _choice("sync", "transport", self.transport, {"auto", *TRANSPORTS})
+        for k in ("timeout", "request_timeout", "wait_s"):
+            _positive("sync", k, getattr(self, k))
+        _positive("sync", "retries", self.retries, zero_ok=True)
 
 
 @dataclasses.dataclass
@@ -262,6 +278,17 @@ class TrainConfig:
             raise ConfigError("rollout.weight_noise / rollout.stale_versions simulate mismatch in the JAX engine; "
                               "with rollout.engine=vllm use rollout.recipe (translated to vLLM's FP8 settings) or "
                               "vLLM's own options under rollout.vllm (e.g. kv_cache_dtype)")
+        _endpoints("teacher", self.teacher.endpoints)
+        r = self.rollout
+        if r.endpoints and (r.recipe != "none" or r.weight_noise or r.stale_versions or r.vllm):
+            raise ConfigError("with rollout.endpoints the servers own the engine: give rollout.recipe / weight_noise / "
+                              "stale_versions / vllm to `opdjax serve`, not to train")
+        if (r.endpoints or self.teacher.endpoints) and not self.sync.token_file:
+            raise ConfigError("rollout.endpoints / teacher.endpoints need sync.token_file (the file holding the "
+                              "servers' shared secret)")
+        if r.endpoints and self.sync.transport not in ("auto", "tcp"):
+            raise ConfigError(f"sync.transport={self.sync.transport!r}: rollout servers take weights over their tcp "
+                              f"bridge (sync.transport=tcp or auto)")
         return self
 
 
@@ -374,8 +401,13 @@ def parse_override(item: str) -> dict[str, Any]:
     return out
 
 
+_PATH_SHORTCUTS = ("student", "teacher")
+
+
 def _deep_update(a: dict, b: Mapping) -> dict:
     for k, v in b.items():
+        if isinstance(v, Mapping) and isinstance(a.get(k), str) and k in _PATH_SHORTCUTS:
+            a[k] = {"path": a[k]}  # `teacher=DIR teacher.dtype=...`: keep the DIR
         if isinstance(v, Mapping) and isinstance(a.get(k), dict):
             _deep_update(a[k], v)
         else:

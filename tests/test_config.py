@@ -33,7 +33,7 @@ def test_overrides_and_shortcuts(tmp_path):
     ("optim.lr=-1", "optim.lr must be > 0"),
     ("rollout.top_p=0", r"rollout.top_p must be in \(0, 1\]"),
     ("pipeline.mode=sometimes", "pipeline.mode='sometimes' is not valid"),
-    ("sync.transport=udp", r"sync.transport='udp' is not valid; choose one of \['inproc', 'shm', 'tcp'\]"),
+    ("sync.transport=udp", r"sync.transport='udp' is not valid; choose one of \['auto', 'inproc', 'shm', 'tcp'\]"),
     ("steps", "must look like key=value"),
 ])
 def test_bad_config_is_a_clear_error(override, message):
@@ -80,3 +80,10 @@ def test_cli_reports_model_and_checkpoint_errors_without_a_traceback(capsys, tmp
     assert main(["train", f"student={gpt2}", f"teacher={teacher}"]) == 2
     err = capsys.readouterr().err
     assert "ConfigError:" in err and "gpt2/config.json: unsupported model_type 'gpt2'" in err
+
+
+def test_a_path_shortcut_survives_later_keys_of_its_section():
+    cfg = load(TrainConfig, None, ["teacher=/models/t", "teacher.dtype=bfloat16", "student=/models/s",
+                                   "student.remat=block"])
+    assert (cfg.teacher.path, cfg.teacher.dtype) == ("/models/t", "bfloat16")
+    assert (cfg.student.path, cfg.student.remat) == ("/models/s", "block")

@@ -16,6 +16,7 @@ LAYERS = [
     {"quant"},
     {"models"},
     {"rollout", "teacher", "learner", "sync"},
+    {"remote"},
     {"data"},
     {"config"},
     {"pipeline"},

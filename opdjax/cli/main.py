@@ -1,4 +1,4 @@
-"""`opdjax` command line: train | measure | study | admit | sensitivity | recipe-search | capacity | make-tiny |
+"""`opdjax` command line: train | serve | measure | study | admit | sensitivity | recipe-search | capacity | make-tiny |
 convert (one module per command under `opdjax.cli`)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import jax
 
 from opdjax.cli.admission import add_admission_commands
 from opdjax.cli.measure import add_measure_command
+from opdjax.cli.serve import add_serve_command
 from opdjax.cli.study import add_study_command
 from opdjax.cli.tools import add_tool_commands
 from opdjax.cli.train import add_train_command
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     add_train_command(sub)
     add_measure_command(sub)
+    add_serve_command(sub)
     add_tool_commands(sub)
     add_study_command(sub)
     add_admission_commands(sub)

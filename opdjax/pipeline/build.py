@@ -21,6 +21,7 @@ from opdjax.learner import Learner, make_optimizer
 from opdjax.models import ModelConfig, hf
 from opdjax.models.sharding import make_mesh
 from opdjax.models.tiny import load_tokenizer
+from opdjax.remote.client import RemoteEngine, RemoteTeacher, read_token
 from opdjax.rollout import RolloutEngine, SamplingParams
 from opdjax.rollout.jax_engine import JaxEngine
 from opdjax.rollout.vllm_engine import VllmEngine  # vLLM itself is imported on first use
@@ -83,6 +84,11 @@ def resolve_models(cfg: TrainConfig, log=print) -> tuple[str, str]:
 def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, params, tokenizer) -> RolloutEngine:
     """The rollout engine named by `rollout.engine`, serving the student's initial weights as version 0."""
     r = cfg.rollout
+    if r.endpoints:
+        s = cfg.sync
+        return RemoteEngine(r.endpoints, read_token(s.token_file), student_cfg, pad_id=tokenizer.pad_token_id,
+                            sync=cfg.pipeline.mode == "sync", timeout=s.request_timeout, publish_timeout=s.timeout,
+                            retries=s.retries, wait_s=s.wait_s)
     if r.engine == "vllm":
         return VllmEngine(student_path, dtype=r.dtype, seed=r.seed,
                           recipe=None if r.recipe == "none" else r.recipe, **r.vllm)
@@ -95,13 +101,21 @@ def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, p
 def make_publisher(cfg: TrainConfig, student_cfg: ModelConfig, engine: RolloutEngine) -> tuple[Publisher, Link]:
     """The run's publisher: the learner's params -> HF-named tensors in the engine's dtype -> the engine, through
     the link `sync.transport` names (the engine's own receiver validates and applies each version)."""
+    if isinstance(engine, RemoteEngine):  # each server's tcp bridge
+        return Publisher(student_cfg, engine.link, dtype=np_dtype(engine.spec.dtype)), engine.link
     receiver = engine.receiver
-    link = open_link(cfg.sync.transport, receiver, root=cfg.sync.root or None, timeout=cfg.sync.timeout)
+    kind = "inproc" if cfg.sync.transport == "auto" else cfg.sync.transport
+    link = open_link(kind, receiver, root=cfg.sync.root or None, timeout=cfg.sync.timeout)
     return Publisher(student_cfg, link, dtype=np_dtype(receiver.spec.dtype)), link
 
 
 def make_teacher(cfg: TrainConfig, teacher_path: str, mesh: Mesh) -> Teacher:
     """The teacher named by `teacher.engine` (JAX in-process on the learner's mesh, or vLLM)."""
+    t = cfg.teacher
+    if t.endpoints:
+        s = cfg.sync
+        return RemoteTeacher(t.endpoints, read_token(s.token_file), ModelConfig.from_dir(teacher_path),
+                             temperature=t.temperature, timeout=s.request_timeout, retries=s.retries, wait_s=s.wait_s)
     if cfg.teacher.engine == "vllm":
         return VllmTeacher(teacher_path, dtype=cfg.teacher.dtype)
     return JaxTeacher.from_pretrained(teacher_path, dtype=cfg.teacher.dtype, mesh=mesh,

@@ -425,7 +425,6 @@ class JaxEngine:
         if min(lens) == 0:
             raise ValueError(f"generate: prompt {lens.index(0)} is empty; every prompt needs at least one token")
         P, B = bucket_len(max(lens)), bucket_batch(n, self._batch_multiple())
-        N = sampling.max_new_tokens
         tokens_BP = np.full((B, P), self.pad_id, np.int32)
         valid_BP = np.zeros((B, P), bool)
         for j, p in enumerate(prompts):

@@ -19,12 +19,7 @@ from opdjax.models.tiny import make_tiny  # noqa: E402
 from opdjax.rollout import SamplingParams  # noqa: E402
 from opdjax.sync import BridgeError  # noqa: E402
 from opdjax.teacher.jax_teacher import JaxTeacher  # noqa: E402
-from opdjax.budget import admit, records, search
-from opdjax.budget import io as bio
-from opdjax.budget import probe as probe_mod
-from opdjax.cli import admission as cli_admission
-from opdjax.core import layout
-from opdjax.models import presets
+from opdjax.budget import search
 
 pytestmark = pytest.mark.vllm
 

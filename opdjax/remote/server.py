@@ -1,0 +1,191 @@
+"""An engine server: a rollout engine or a teacher in its own process, behind the `protocol` HTTP API.
+
+    GET  /health              liveness ({"ok": true}); no token needed, returns no model output
+    GET  /v1/opdjax/info      role, model spec fingerprint, served version, bridge port, teacher temperature
+    POST /v1/completions      rollouts (role "rollout") or prompt log-probs (role "teacher"); see `protocol`
+
+Weights reach a rollout server through the bridge: a `TcpReceiverServer` on `bridge_port` (the same shared secret,
+HMAC challenge), which validates a publish completely and applies it all or nothing; the engine tags the new
+version and every later response carries it. Every endpoint but /health needs `Authorization: Bearer <token>`
+(compared in constant time); a wrong or missing token gets 401 and is logged. The server binds 127.0.0.1 unless
+told otherwise. Requests are served one at a time per engine (a lock), publishes concurrently with them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+
+from opdjax.remote import protocol
+from opdjax.sync import ModelSpec, TcpReceiverServer
+
+log = logging.getLogger("opdjax.serve")
+
+__all__ = ["EngineServer", "spec_fingerprint", "MAX_BODY"]
+
+MAX_BODY = 64 << 20  # bytes of one request body
+
+
+def spec_fingerprint(spec: ModelSpec) -> str:
+    """sha256 of what a publish must fit: family, dtype, every tensor's name and shape."""
+    text = json.dumps({"model_type": spec.model_type, "dtype": spec.dtype,
+                       "shapes": {k: list(v) for k, v in spec.shapes.items()}}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class EngineServer:
+    """Serve `engine` (role "rollout") or `teacher` (role "teacher"); see the module docstring.
+
+    token: the shared secret (str). port / bridge_port 0: pick free ports (`self.port`, `self.bridge_port`).
+    """
+
+    def __init__(self, *, token: str, engine=None, teacher=None, host: str = "127.0.0.1", port: int = 0,
+                 bridge_port: int = 0, model_name: str = "opdjax", publish_timeout: float = 600.0):
+        if (engine is None) == (teacher is None):
+            raise ValueError("EngineServer serves exactly one of engine= or teacher=")
+        if not token:
+            raise ValueError("EngineServer needs a non-empty shared secret token")
+        self.role = "rollout" if engine is not None else "teacher"
+        self.engine, self.teacher, self.token, self.model_name = engine, teacher, token, model_name
+        self.refusals: list[str] = []
+        self._lock = threading.Lock()
+        self.bridge: TcpReceiverServer | None = None
+        if engine is not None:
+            self.bridge = TcpReceiverServer(engine.receiver, token, host=host, port=bridge_port,
+                                            timeout=publish_timeout)
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, fmt, *args):  # quiet: refusals and errors are logged explicitly
+                log.debug("%s " + fmt, self.client_address[0], *args)
+
+            def do_GET(self):  # noqa: N802 (http.server API)
+                server._dispatch(self, "GET")
+
+            def do_POST(self):  # noqa: N802
+                server._dispatch(self, "POST")
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.host, self.port = self.httpd.server_address[:2]
+        self.bridge_port = self.bridge.port if self.bridge is not None else None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+    def start(self) -> "EngineServer":
+        if self.bridge is not None:
+            self.bridge.start()
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="opdjax-serve", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        if self.bridge is not None:
+            self.bridge.start()
+        self.httpd.serve_forever()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        if self.bridge is not None:
+            self.bridge.stop()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # -- requests ------------------------------------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        if self.engine is not None:
+            spec = self.engine.receiver.spec
+            return {"role": self.role, "model": self.model_name, "model_type": spec.model_type, "dtype": spec.dtype,
+                    "spec_sha256": spec_fingerprint(spec), "version": int(self.engine.version),
+                    "received_version": int(self.engine.receiver.received_version),
+                    "bridge": {"transport": "tcp", "port": self.bridge_port}}
+        cfg = self.teacher.cfg
+        return {"role": self.role, "model": self.model_name, "model_type": cfg.model_type,
+                "vocab_size": cfg.vocab_size, "temperature": float(getattr(self.teacher, "temperature", 1.0))}
+
+    def _authorized(self, h: BaseHTTPRequestHandler) -> bool:
+        got = h.headers.get("Authorization", "")
+        want = f"Bearer {self.token}"
+        return hmac.compare_digest(got.encode(), want.encode())
+
+    def _dispatch(self, h: BaseHTTPRequestHandler, method: str) -> None:
+        path = h.path.split("?", 1)[0]
+        try:
+            if method == "GET" and path == "/health":
+                return _reply(h, 200, {"ok": True, "role": self.role})
+            if not self._authorized(h):
+                msg = f"refused {method} {path} from {h.client_address[0]}: missing or wrong token"
+                self.refusals.append(msg)
+                log.warning(msg)
+                return _reply(h, 401, {"error": {"message": "missing or wrong bearer token", "type": "auth"}})
+            if method == "GET" and path == "/v1/opdjax/info":
+                return _reply(h, 200, self.info())
+            if method == "POST" and path == "/v1/completions":
+                body = _read_json(h)
+                with self._lock:
+                    out = self._complete(body)
+                return _reply(h, 200, out)
+            return _reply(h, 404, {"error": {"message": f"no endpoint {method} {path}", "type": "not_found"}})
+        except (ValueError, KeyError, TypeError) as e:  # bad request content, named
+            return _reply(h, 400, {"error": {"message": f"{type(e).__name__}: {e}", "type": "invalid_request"}})
+        except Exception as e:  # noqa: BLE001  the server keeps serving; the client sees a 500 and retries
+            log.exception("request %s %s failed", method, path)
+            return _reply(h, 500, {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
+
+    def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.engine is not None:
+            if body.get("prompt_logprobs"):
+                raise ValueError("this is a rollout server; prompt_logprobs are served by a teacher server")
+            prompts, sp, seed = protocol.sampling_from_request(body)
+            return protocol.completion_response(self.engine.generate(prompts, sp, seed=seed), self.model_name)
+        k = body.get("prompt_logprobs")
+        if k is None:
+            raise ValueError("this is a teacher server; ask for prompt_logprobs")
+        rows = body.get("prompt")
+        if not isinstance(rows, list) or not rows or not all(isinstance(r, list) and r for r in rows):
+            raise ValueError("'prompt' must be a non-empty list of non-empty token-id lists")
+        T = max(len(r) for r in rows)
+        tokens = np.zeros((len(rows), T), np.int32)
+        valid = np.zeros((len(rows), T), bool)
+        for i, r in enumerate(rows):
+            tokens[i, T - len(r):], valid[i, T - len(r):] = r, True  # left-padded, as the engines lay prompts out
+        k = int(k)
+        needs = frozenset({"teacher_logp", "teacher_topk"} if k else {"teacher_logp"})
+        scores = self.teacher.score(tokens, valid, needs, top_k=k)
+        return protocol.score_response(scores, tokens, valid, k, self.model_name)
+
+
+def _read_json(h: BaseHTTPRequestHandler) -> dict[str, Any]:
+    n = int(h.headers.get("Content-Length") or 0)
+    if n <= 0 or n > MAX_BODY:
+        raise ValueError(f"request body of {n} bytes; expected 1..{MAX_BODY}")
+    body = json.loads(h.rfile.read(n))
+    if not isinstance(body, dict):
+        raise ValueError("the request body must be a JSON object")
+    return body
+
+
+def _reply(h: BaseHTTPRequestHandler, status: int, obj: dict[str, Any]) -> None:
+    data = json.dumps(obj).encode()
+    h.send_response(status)
+    h.send_header("Content-Type", "application/json")
+    h.send_header("Content-Length", str(len(data)))
+    if status >= 400:  # the request body may be unread: do not reuse the connection
+        h.send_header("Connection", "close")
+        h.close_connection = True
+    h.end_headers()
+    h.wfile.write(data)

@@ -1,0 +1,131 @@
+"""Engine servers over loopback: the wire format is lossless, a run against servers trains as in-process, tokens
+are enforced, a dead or restarted server is survived and resynchronised, a server of another model is refused."""
+
+import json
+
+import numpy as np
+import pytest
+
+from opdjax.config import ConfigError
+from opdjax.models import ModelConfig
+from opdjax.models.tiny import load_tokenizer, make_tiny
+from opdjax.pipeline import loop as pipeline
+from opdjax.remote import protocol
+from opdjax.remote.client import RemoteEngine, ServerRefused
+from opdjax.remote.server import EngineServer
+from opdjax.rollout import SamplingParams
+from opdjax.rollout.jax_engine import JaxEngine
+from opdjax.sync import BridgeError, Publisher, TcpTransport, prepare
+from opdjax.teacher import JaxTeacher
+from tests.pipeline.test_loop import _cfg, _lines
+
+TOKEN = "loopback-secret"
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("tok") / "token"
+    p.write_text(TOKEN + "\n")
+    return str(p)
+
+
+def _engine(path):
+    return JaxEngine.from_pretrained(path, pad_id=load_tokenizer(path).pad_token_id)
+
+
+def _steps(tmp_path):
+    return [x for x in _lines(tmp_path) if "loss" in x]
+
+
+def test_the_wire_format_rebuilds_the_engines_batch_exactly(pair):
+    engine = _engine(pair[0])
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    sp = SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=(3,))
+    direct = engine.generate(prompts, sp, seed=3)
+    wire = json.loads(json.dumps(protocol.completion_response(direct)))
+    back = protocol.rollout_batch(prompts, wire, sp, engine.pad_id)
+    for f in ("tokens_BT", "valid_BT", "completion_mask_BT", "rollout_logp_BT", "version_B"):
+        np.testing.assert_array_equal(getattr(back, f), getattr(direct, f), err_msg=f)
+    with pytest.raises(protocol.ProtocolError, match="no weight_version"):
+        del wire["choices"][0]["weight_version"], wire["weight_version"]
+        protocol.rollout_batch(prompts, wire, sp, engine.pad_id)
+
+
+def test_a_run_against_servers_trains_as_the_same_run_in_process(pair, tmp_path, token_file):
+    local = pipeline.train(_cfg(pair, tmp_path / "local"), log=lambda s: None)
+    teacher = JaxTeacher.from_pretrained(pair[1])
+    with EngineServer(engine=_engine(pair[0]), token=TOKEN) as rs, EngineServer(teacher=teacher, token=TOKEN) as ts:
+        remote = pipeline.train(_cfg(pair, tmp_path / "remote", f"rollout.endpoints=[127.0.0.1:{rs.port}]",
+                                     f"teacher.endpoints=[127.0.0.1:{ts.port}]", f"sync.token_file={token_file}"),
+                                log=lambda s: None)
+        assert rs.engine.version == 4  # every step's weights reached the server
+    a, b = _steps(tmp_path / "local"), _steps(tmp_path / "remote")
+    assert [x["staleness"] for x in b] == [0, 0, 0, 0]
+    # Same rollouts bit for bit; the teacher scores the same sequences in another padding layout (float rounding).
+    np.testing.assert_allclose([x["loss"] for x in b], [x["loss"] for x in a], rtol=1e-4, atol=1e-5)
+    assert max(abs(x["mismatch/k3"]) for x in b) < 1e-6  # the server samples with exactly the published weights
+    assert remote["final"]["eval/accuracy"] == local["final"]["eval/accuracy"]
+    np.testing.assert_allclose(remote["final"]["eval/reverse_kl"], local["final"]["eval/reverse_kl"], rtol=1e-3)
+
+
+def test_wrong_tokens_are_refused_on_generate_and_on_publish(pair):
+    engine = _engine(pair[0])
+    mcfg = ModelConfig.from_dir(pair[0])
+    with EngineServer(engine=engine, token=TOKEN) as rs:
+        with pytest.raises(ServerRefused, match="HTTP 401"):
+            RemoteEngine([f"127.0.0.1:{rs.port}"], "not-the-token", mcfg, pad_id=0, wait_s=1)
+        assert rs.refusals and "wrong token" in rs.refusals[-1]
+        manifest, arrays = prepare(mcfg, engine.receiver.spec and _params(pair[0]), 1, dtype="float32")
+        with pytest.raises(BridgeError):
+            TcpTransport("127.0.0.1", rs.bridge_port, "not-the-token", timeout=10).send(manifest, arrays)
+        assert engine.version == 0
+
+
+def _params(path):
+    from opdjax.models import hf
+    return hf.read_tensors(path)
+
+
+def test_a_server_of_another_model_is_refused(pair, tmp_path):
+    other = make_tiny(tmp_path / "other", "qwen3", "tiny", seed=3, tokenizer=load_tokenizer(pair[0]), num_layers=1)
+    with EngineServer(engine=_engine(other), token=TOKEN) as rs:
+        with pytest.raises(ServerRefused, match="serves another model"):
+            RemoteEngine([f"127.0.0.1:{rs.port}"], TOKEN, ModelConfig.from_dir(pair[0]), pad_id=0, wait_s=1)
+
+
+def test_losing_one_of_two_servers_loses_no_rows_and_a_restarted_one_is_resynchronised(pair):
+    mcfg = ModelConfig.from_dir(pair[0])
+    a, b = EngineServer(engine=_engine(pair[0]), token=TOKEN).start(), EngineServer(engine=_engine(pair[0]),
+                                                                                   token=TOKEN).start()
+    port_b = b.port
+    logs = []
+    remote = RemoteEngine([f"127.0.0.1:{a.port}", f"127.0.0.1:{port_b}"], TOKEN, mcfg, pad_id=0, wait_s=20,
+                          backoff=0.05, timeout=30, log_fn=logs.append)
+    pub = Publisher(mcfg, remote.link, dtype="float32")
+    sp = SamplingParams(max_new_tokens=3)
+    try:
+        pub.publish(_params(pair[0]), 1)
+        assert a.engine.version == b.engine.version == 1
+        b.stop()  # one server dies
+        batch = remote.generate([[5, 6]] * 6, sp, seed=1)
+        assert batch.batch_size == 6 and set(batch.version_B) == {1}
+        assert [o["event"] for o in remote.outages] == ["down"]
+        pub.publish(_params(pair[0]), 2)  # only a takes it
+        b2 = EngineServer(engine=_engine(pair[0]), token=TOKEN, port=port_b).start()  # back, serving v0
+        try:
+            remote.generate([[5, 6]] * 6, sp, seed=2)  # b2 is probed, resynchronised to v2, then used
+            assert b2.engine.version == 2
+            assert [o["event"] for o in remote.outages] == ["down", "up"]
+        finally:
+            b2.stop()
+    finally:
+        a.stop()
+
+
+def test_servers_need_a_token_file_and_host_port_endpoints(pair, tmp_path):
+    with pytest.raises(ConfigError, match="need sync.token_file"):
+        _cfg(pair, tmp_path, "rollout.endpoints=[127.0.0.1:8300]")
+    with pytest.raises(ConfigError, match="is not host:port"):
+        _cfg(pair, tmp_path, "rollout.endpoints=[localhost]")
+    with pytest.raises(ConfigError, match="the servers own the engine"):
+        _cfg(pair, tmp_path, "rollout.endpoints=[127.0.0.1:8300]", "sync.token_file=t", "rollout.recipe=fp8_w8a8")
