@@ -137,12 +137,14 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
             lb = learner_batch(run, item.batch, item.examples)
             t2 = time.time()
             state, m = run.learner.train_step(state, lb)
+            jax.block_until_ready(state.params)
+            t3 = time.time()
             step += 1
             consumed_position = item.stream_end
             publish(run, state.params, step)
-            t3 = time.time()
+            t4 = time.time()
             m.update({"staleness": staleness, "dropped": dropped, "time/generate": item.gen_seconds,
-                      "time/wait": t1 - t0, "time/score": t2 - t1, "time/train_publish": t3 - t2,
+                      "time/wait": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/publish": t4 - t3,
                       "completion_len": float(item.batch.completion_mask_BT.sum(1).mean())})
             if pc.eval_every and step % pc.eval_every == 0 or step == pc.steps:
                 last_eval = evaluate(state.params, step)
@@ -172,6 +174,9 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
         "initial": initial_eval, "final": last_eval, "student_final": str(final_dir),
         "reverse_kl_ratio": last_eval["eval/reverse_kl"] / max(initial_eval["eval/reverse_kl"], 1e-9),
     }
+    outages = [*getattr(run.engine, "outages", ()), *getattr(run.teacher, "outages", ())]
+    if outages:  # remote servers that went down (and came back) during the run
+        summary["server_outages"] = outages
     if jax.process_index() == 0:
         (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -301,6 +301,10 @@ class RemoteTeacher:
                           wait_s=wait_s, check=self._check, log_fn=log_fn)
         self.pool.live()
 
+    @property
+    def outages(self) -> list[dict[str, Any]]:
+        return self.pool.outages
+
     def _check(self, s: _Server) -> None:
         info = s.info
         if info.get("role") != "teacher":

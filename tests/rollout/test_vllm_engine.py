@@ -227,3 +227,21 @@ def test_recipe_translates_to_settings_vllm_accepts(model_dir, cfg, vllm_module)
         VllmEngine(model_dir, recipe=recipe, kv_cache_memory_bytes=32 << 20, max_model_len=128)
     with pytest.raises(ValueError, match="contradicts"):
         VllmEngine(model_dir, recipe="fp8_kv_only", kv_cache_dtype="fp8_e5m2")
+
+
+def test_vllm_behind_a_server_matches_the_learner_after_a_publish_over_the_bridge(engine, cfg, learner):
+    """`opdjax serve --engine vllm`: the weights travel over the tcp bridge, the rollouts over HTTP, and the
+    sampled-token log-probs still match the learner's (f32, mean |delta| <= 1e-4), tagged with the new version."""
+    from opdjax.remote.client import RemoteEngine
+    from opdjax.remote.server import EngineServer
+    from opdjax.sync import Publisher
+
+    p = _params(cfg, 21)
+    v = engine.version + 1
+    with EngineServer(engine=engine, token="vllm-secret") as server:
+        remote = RemoteEngine([f"127.0.0.1:{server.port}"], "vllm-secret", cfg, pad_id=0, wait_s=5)
+        Publisher(cfg, remote.link, dtype="float32").publish(p, v)
+        assert engine.version == v
+        batch = remote.generate(_prompts(), SamplingParams(max_new_tokens=8, temperature=1.0), seed=3)
+    assert (batch.version_B == v).all()
+    assert _gap(learner, p, batch) <= 1e-4

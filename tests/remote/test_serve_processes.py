@@ -1,0 +1,70 @@
+"""`opdjax serve` as separate OS processes: a run against a rollout server and a teacher server survives kill -9 of
+the rollout server mid-run (it is restarted on the same port, resynchronised, and the outage is reported)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from opdjax.pipeline import loop as pipeline
+from tests.pipeline.test_loop import _cfg, _lines
+
+
+def _start(role, pair, token_file, *extra):
+    cmd = [sys.executable, "-m", "opdjax.cli", "serve", "--role", role, "--token-file", token_file,
+           f"student={pair[0]}", f"teacher={pair[1]}", *extra]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = p.stdout.readline()  # the ready line (or EOF when it died)
+    if not line:
+        p.wait(timeout=30)
+        pytest.fail(f"opdjax serve --role {role} exited with {p.returncode} before it was ready")
+    ready = json.loads(line)
+    assert ready["event"] == "ready" and ready["role"] == role and ready["url"].startswith("http://127.0.0.1:")
+    return p, ready
+
+
+def test_a_run_survives_kill_9_of_its_rollout_server(pair, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("process-secret")
+    rollout, r = _start("rollout", pair, str(token))
+    teacher, t = _start("teacher", pair, str(token))
+    procs = [rollout, teacher]
+    try:
+        cfg = _cfg(pair, tmp_path, "pipeline.steps=10", "pipeline.eval_every=5",
+                   f"rollout.endpoints=[127.0.0.1:{r['port']}]", f"teacher.endpoints=[127.0.0.1:{t['port']}]",
+                   f"sync.token_file={token}", "sync.wait_s=120", "sync.request_timeout=30")
+        out: dict = {}
+        th = threading.Thread(target=lambda: out.update(pipeline.train(cfg, log=lambda s: None)))
+        th.start()
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.time() + 300
+        while time.time() < deadline and th.is_alive():
+            if metrics.exists() and any(x.get("step", 0) >= 3 and "loss" in x for x in _lines(tmp_path)):
+                break
+            time.sleep(0.2)
+        os.kill(rollout.pid, signal.SIGKILL)  # mid-run
+        rollout.wait(timeout=30)
+        time.sleep(1.0)
+        rollout, _ = _start("rollout", pair, str(token), "--port", str(r["port"]))  # back, serving v0
+        procs.append(rollout)
+        th.join(timeout=400)
+        assert not th.is_alive()
+        assert out["steps"] == 10
+        events = [o["event"] for o in out["server_outages"]]
+        assert events[:2] == ["down", "up"], out["server_outages"]
+        steps = [x for x in _lines(tmp_path) if "loss" in x]
+        assert [x["step"] for x in steps] == list(range(1, 11))
+        assert all(x["staleness"] == 0 for x in steps)  # every trained rollout came from the newest weights
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
