@@ -63,7 +63,7 @@ def main() -> None:
             p.terminate()
             p.wait(timeout=30)
     print(f"\nper-step seconds (median of steps 4..{args.steps}), batch {args.batch}, built-in pair\n")
-    print(f"| phase | in-process | loopback servers | ratio |\n|---|---|---|---|")
+    print("| phase | in-process | loopback servers | ratio |\n|---|---|---|---|")
     for k in (*PHASES, "step"):
         print(f"| {k.removeprefix('time/')} | {local[k]:.4f} | {remote[k]:.4f} | {remote[k] / local[k]:.2f}x |")
     if args.json:
