@@ -267,7 +267,7 @@ def _torch_learner(wl: Workload, batch) -> dict | None:
         step()
         sync()
         times.append(time.perf_counter() - t)
-    del model, opt
+    model = opt = step = None  # free the device memory before the next section
     if dev == "cuda":
         torch.cuda.empty_cache()
     dt = statistics.median(times)

@@ -408,7 +408,9 @@ def _deep_update(a: dict, b: Mapping) -> dict:
     for k, v in b.items():
         if isinstance(v, Mapping) and isinstance(a.get(k), str) and k in _PATH_SHORTCUTS:
             a[k] = {"path": a[k]}  # `teacher=DIR teacher.dtype=...`: keep the DIR
-        if isinstance(v, Mapping) and isinstance(a.get(k), dict):
+        if isinstance(v, str) and isinstance(a.get(k), dict) and k in _PATH_SHORTCUTS:
+            a[k]["path"] = v  # `teacher.dtype=... teacher=DIR`: keep the dtype
+        elif isinstance(v, Mapping) and isinstance(a.get(k), dict):
             _deep_update(a[k], v)
         else:
             a[k] = v

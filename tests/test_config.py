@@ -87,3 +87,10 @@ def test_a_path_shortcut_survives_later_keys_of_its_section():
                                    "student.remat=block"])
     assert (cfg.teacher.path, cfg.teacher.dtype) == ("/models/t", "bfloat16")
     assert (cfg.student.path, cfg.student.remat) == ("/models/s", "block")
+
+
+def test_keys_of_a_section_survive_a_later_path_shortcut():
+    cfg = load(TrainConfig, None, ["teacher.engine=vllm", "teacher=/models/t", "student.remat=block",
+                                   "student=/models/s"])
+    assert (cfg.teacher.path, cfg.teacher.engine) == ("/models/t", "vllm")
+    assert (cfg.student.path, cfg.student.remat) == ("/models/s", "block")

@@ -1,20 +1,30 @@
 """`opdjax serve`: a rollout engine or a teacher as its own process, for `rollout.endpoints` / `teacher.endpoints`.
 
-    opdjax serve --role rollout --token-file secret student=DIR rollout.recipe=fp8_w8a8 --port 8300
-    opdjax serve --role teacher --token-file secret teacher=DIR --port 8400
+    opdjax serve --role rollout --token-file secret --port 8300 student=DIR rollout.recipe=fp8_w8a8
+    opdjax serve --role teacher --token-file secret --port 8400 teacher=DIR
+    opdjax serve --role rollout --engine vllm --token-file secret --port 8000 student=DIR [--print-command]
 
 The same TrainConfig keys as `train` choose the model and the engine's knobs (rollout.engine jax|vllm, recipe,
-weight noise, staleness, dtype; teacher.engine, dtype, temperature). Binds 127.0.0.1 unless --host says otherwise.
-When ready it prints one JSON line {"event": "ready", "role", "url", "port", "bridge_port", "version"}.
+weight noise, staleness, dtype, rollout.vllm; teacher.engine, dtype, temperature). Binds 127.0.0.1 unless --host
+says otherwise. `--engine jax`: opdjax's own server (`opdjax.remote.server`) around the embedded engine or teacher.
+`--engine vllm`: vLLM's own OpenAI-compatible server with opdjax's extension (`opdjax.remote.vllm_server`), started
+as a child process whose logs go to stderr; `--print-command` prints that command instead (to run `vllm serve`
+yourself). When ready it prints one JSON line {"event": "ready", "role", "url", "port", "bridge_port", "version"}.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
+import os
 import signal
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 
 from opdjax import config
 from opdjax.cli.common import guard
@@ -24,11 +34,14 @@ from opdjax.models.tiny import load_tokenizer
 from opdjax.pipeline.build import make_engine, make_teacher, resolve_models
 from opdjax.remote.client import read_token
 from opdjax.remote.server import EngineServer
+from opdjax.remote.vllm_server import shell_line, vllm_command
+from opdjax.rollout.vllm_engine import DEFAULT_KV_CACHE_BYTES, llm_kwargs
 
 __all__ = ["add_serve_command"]
 
 
 def _serve(args) -> int:
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # vLLM logs to stdout by default
     if args.engine is not None:
         section = "rollout" if args.role == "rollout" else "teacher"
         args.overrides = [f"{section}.engine={args.engine}", *args.overrides]
@@ -38,6 +51,10 @@ def _serve(args) -> int:
     token = read_token(args.token_file)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731  stdout carries the ready line only
     student_path, teacher_path = resolve_models(cfg, log)
+    if (cfg.rollout.engine if args.role == "rollout" else cfg.teacher.engine) == "vllm":
+        return _serve_vllm(args, cfg, student_path if args.role == "rollout" else teacher_path, token)
+    if args.print_command:
+        raise config.ConfigError("--print-command prints the vLLM server command; add --engine vllm")
     if args.role == "rollout":
         mcfg = ModelConfig.from_dir(student_path)
         tok = load_tokenizer(student_path)
@@ -64,6 +81,62 @@ def _serve(args) -> int:
     return 0
 
 
+def _vllm_settings(cfg: config.TrainConfig, role: str, path: str) -> dict:
+    """vllm.LLM keywords of the served model: the rollout engine's (recipe translated) or the teacher's."""
+    mcfg = ModelConfig.from_dir(path)
+    if role == "teacher":
+        return {"dtype": cfg.teacher.dtype, "kv_cache_memory_bytes": DEFAULT_KV_CACHE_BYTES,
+                "max_model_len": min(mcfg.max_position_embeddings, 2048)}
+    r = cfg.rollout
+    named = set(inspect.signature(llm_kwargs).parameters)
+    kw = llm_kwargs(path, mcfg, dtype=r.dtype, seed=r.seed, recipe=None if r.recipe == "none" else r.recipe,
+                    **{k: v for k, v in r.vllm.items() if k in named})
+    kw.update({k: v for k, v in r.vllm.items() if k not in named})
+    return kw
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _serve_vllm(args, cfg: config.TrainConfig, path: str, token: str) -> int:
+    """vLLM's own server with opdjax's extension as a child process; the ready line once it answers."""
+    port = args.port or _free_port(args.host)
+    argv, env = vllm_command(path, role=args.role, token_file=os.path.abspath(args.token_file), host=args.host,
+                             port=port, bridge_port=args.bridge_port, llm_kwargs=_vllm_settings(cfg, args.role, path))
+    if args.print_command:
+        print(shell_line(argv, env))
+        return 0
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=sys.stderr)  # stdout: the ready line only
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda n, f: proc.send_signal(n))
+    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{port}"
+    info = None
+    deadline = time.time() + args.start_timeout
+    while info is None and proc.poll() is None and time.time() < deadline:
+        try:
+            req = urllib.request.Request(url + "/collective_rpc", data=json.dumps({"method": "opdjax_info"}).encode(),
+                                         headers={"Authorization": f"Bearer {token}",
+                                                  "Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                info = json.loads(r.read())["results"][0]
+        except (OSError, ValueError):
+            time.sleep(1.0)
+    if info is None:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+            raise RuntimeError(f"vLLM's server did not answer within --start-timeout={args.start_timeout:.0f}s")
+        raise RuntimeError(f"vLLM's server exited with {proc.returncode} before it was ready (its log: above)")
+    print(json.dumps({"event": "ready", "role": args.role, "engine": "vllm", "url": f"http://{args.host}:{port}",
+                      "port": port, "bridge_port": (info.get("bridge") or {}).get("port"),
+                      "version": info.get("received_version")}), flush=True)
+    rc = proc.wait()
+    return 0 if rc in (0, -signal.SIGTERM, -signal.SIGINT) else (rc if rc > 0 else 1)
+
+
 def add_serve_command(subparsers) -> None:
     sp = subparsers.add_parser("serve", help="serve a rollout engine or a teacher for remote runs")
     sp.add_argument("--role", choices=("rollout", "teacher"), required=True)
@@ -74,5 +147,9 @@ def add_serve_command(subparsers) -> None:
     sp.add_argument("--bridge-port", type=int, default=0, help="weight bridge TCP port (rollout role; 0: free)")
     sp.add_argument("--token-file", required=True, help="file holding the shared secret (never on the command line)")
     sp.add_argument("--config", default=None, help="YAML config (the same keys as train)")
+    sp.add_argument("--print-command", action="store_true",
+                    help="--engine vllm: print the `vllm serve` command (and its environment) and exit")
+    sp.add_argument("--start-timeout", type=float, default=900.0,
+                    help="--engine vllm: seconds to wait for vLLM's server to answer (default 900)")
     sp.add_argument("overrides", nargs="*", help="key=value overrides, e.g. student=DIR rollout.recipe=fp8_w8a8")
     sp.set_defaults(func=guard(_serve))

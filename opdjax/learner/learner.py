@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -64,9 +65,20 @@ def make_optimizer(*, lr: float, total_steps: int, schedule: str = "constant", w
 
 
 def to_global(batch: Batch, mesh: Mesh) -> Batch:
-    """Host arrays -> global arrays on the mesh (each process contributes its local rows); None stays None."""
-    return jax.tree.map(lambda v: jax.make_array_from_process_local_data(batch_sharding(mesh, np.shape(v)),
-                                                                         np.asarray(v)), batch)
+    """Host arrays -> global arrays on the mesh; None stays None.
+
+    Several processes: each passes its own rows; the global batch is their concatenation in process order. The
+    rows are gathered to every host first (a few small integer/float arrays), so any sharding is correct, including
+    a batch whose rows do not divide over the mesh (it is then replicated, and every replica must hold the same rows).
+    """
+    if jax.process_count() == 1:
+        return jax.tree.map(lambda v: jax.make_array_from_process_local_data(batch_sharding(mesh, np.shape(v)),
+                                                                             np.asarray(v)), batch)
+
+    def one(v):
+        full = np.asarray(multihost_utils.process_allgather(np.asarray(v), tiled=True))
+        return jax.make_array_from_callback(full.shape, batch_sharding(mesh, full.shape), lambda idx: full[idx])
+    return jax.tree.map(one, batch)
 
 
 class Learner:

@@ -8,6 +8,7 @@ import dataclasses
 import pathlib
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -101,12 +102,12 @@ def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, p
 def make_publisher(cfg: TrainConfig, student_cfg: ModelConfig, engine: RolloutEngine) -> tuple[Publisher, Link]:
     """The run's publisher: the learner's params -> HF-named tensors in the engine's dtype -> the engine, through
     the link `sync.transport` names (the engine's own receiver validates and applies each version)."""
-    if isinstance(engine, RemoteEngine):  # each server's tcp bridge
+    if isinstance(engine, RemoteEngine):  # each server's tcp bridge, fed once (by process 0)
         return Publisher(student_cfg, engine.link, dtype=np_dtype(engine.spec.dtype)), engine.link
     receiver = engine.receiver
     kind = "inproc" if cfg.sync.transport == "auto" else cfg.sync.transport
     link = open_link(kind, receiver, root=cfg.sync.root or None, timeout=cfg.sync.timeout)
-    return Publisher(student_cfg, link, dtype=np_dtype(receiver.spec.dtype)), link
+    return Publisher(student_cfg, link, dtype=np_dtype(receiver.spec.dtype), every_process=True), link
 
 
 def make_teacher(cfg: TrainConfig, teacher_path: str, mesh: Mesh) -> Teacher:
@@ -147,9 +148,11 @@ def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True) -> Run:
                       schedule=schedule, temperature=max(cfg.rollout.temperature, 1e-6), mesh=mesh,
                       logprob_chunk=st.logprob_chunk)
     engine = make_engine(cfg, student_path, student_cfg, params, tokenizer)
+    # Several learner processes: each scores its own rows, so an in-process teacher lives on its local devices.
+    teacher_mesh = mesh if jax.process_count() == 1 else make_mesh((1, -1, 1), jax.local_devices())
     publisher, link = make_publisher(cfg, student_cfg, engine)
     return Run(cfg=cfg, tokenizer=tokenizer, task=task, student_cfg=student_cfg, graphdef=graphdef, params=params,
-               teacher=make_teacher(cfg, teacher_path, mesh) if with_teacher else None, engine=engine,
+               teacher=make_teacher(cfg, teacher_path, teacher_mesh) if with_teacher else None, engine=engine,
                learner=learner, mesh=mesh, out_dir=pathlib.Path(cfg.pipeline.out_dir), publisher=publisher,
                links=[link])
 

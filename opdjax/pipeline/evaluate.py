@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 
 from opdjax.data.prompts import encode_prompts
+from opdjax.learner.distributed import gathered
 from opdjax.models import hf
 from opdjax.pipeline.build import Run, sampling_params
 from opdjax.pipeline.steps import completion_texts
@@ -31,7 +32,7 @@ class Evaluator:
 
     def __call__(self, params, version: int) -> dict[str, float]:
         run = self.run
-        self.engine.update_weights(hf.named_params(run.student_cfg, params), version)
+        self.engine.update_weights(hf.named_params(run.student_cfg, gathered(params)), version)
         prompts = encode_prompts(run.tokenizer, self.examples)
         sp = sampling_params(run.cfg, run.tokenizer, temperature=1.0)
         sp = dataclasses.replace(sp, top_k=0, top_p=1.0)

@@ -24,12 +24,14 @@ from tqdm import tqdm
 from opdjax.config import TrainConfig, to_dict
 from opdjax.data.prompts import PromptStream
 from opdjax.learner import latest_step, restore_checkpoint, save_checkpoint
+from opdjax.learner.distributed import agree, barrier, gathered, row_share
 from opdjax.models import hf
 from opdjax.pipeline.build import Run, build
 from opdjax.pipeline.evaluate import Evaluator
 from opdjax.pipeline.logger import MetricsLogger
 from opdjax.pipeline.steps import generate, learner_batch, publish
 from opdjax.rollout import RolloutBatch
+from opdjax.rollout.base import pad_left
 
 __all__ = ["format_summary", "train"]
 
@@ -67,10 +69,12 @@ class _Worker(threading.Thread):
 
 
 def _sample(run: Run, stream: PromptStream, seed: int) -> _Rollout:
+    """The next batch of prompts (the same stream on every learner process), this process's share sampled."""
     examples = stream.next(run.cfg.rollout.batch_size)
+    a, b = row_share(len(examples))
     t0 = time.time()
-    batch = generate(run, examples, seed)
-    return _Rollout(batch, examples, stream.position, time.time() - t0)
+    batch = generate(run, examples[a:b], seed + 1_000_003 * jax.process_index())
+    return _Rollout(batch, examples[a:b], stream.position, time.time() - t0)
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -83,16 +87,20 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
     cfg = run.cfg
     pc = cfg.pipeline
     run.out_dir.mkdir(parents=True, exist_ok=True)
-    (run.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    if jax.process_index() == 0:
+        (run.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     ckpt_dir = run.out_dir / "checkpoints"
     state = run.learner.init(run.params)
     stream = PromptStream(run.task, seed=cfg.seed)
     start, dropped, initial_eval = 0, 0, None
     if not pc.resume and ckpt_dir.exists() and jax.process_index() == 0:
         shutil.rmtree(ckpt_dir)  # a fresh run replaces the old run's checkpoints (resume=true continues them)
-    if pc.resume and latest_step(ckpt_dir) is not None:
+    barrier("opdjax-fresh-run-dir")
+    saved = None  # the step of the newest checkpoint (tracked here, not re-read: processes must agree on it)
+    if pc.resume and agree(latest_step(ckpt_dir) is not None):
         state, extra = restore_checkpoint(ckpt_dir, state)
         start, dropped = int(extra["step"]), int(extra["dropped"])
+        saved = start
         stream.position = int(extra["stream_position"])
         initial_eval = extra.get("initial_eval")
         publish(run, state.params, start)
@@ -106,6 +114,8 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
         f"accuracy {initial_eval['eval/accuracy']:.3f}")
 
     def checkpoint(step):
+        nonlocal saved
+        saved = step
         save_checkpoint(ckpt_dir, state, {"step": step, "stream_position": consumed_position, "dropped": dropped,
                                           "initial_eval": initial_eval})
 
@@ -128,13 +138,14 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
                 item = _sample(run, stream, cfg.seed * 100_003 + step * 7919)
             else:
                 item = _get(q, worker)
-            staleness = step - int(item.batch.version_B.min())
+            staleness = agree(step - int(item.batch.version_B.min()))  # one decision on every process
             if worker is not None and staleness > pc.max_staleness:
                 dropped += 1
                 consumed_position = item.stream_end
                 continue
             t1 = time.time()
-            lb = learner_batch(run, item.batch, item.examples)
+            batch = pad_left(item.batch, agree(item.batch.tokens_BT.shape[1]), run.tokenizer.pad_token_id)
+            lb = learner_batch(run, batch, item.examples)
             t2 = time.time()
             state, m = run.learner.train_step(state, lb)
             jax.block_until_ready(state.params)
@@ -163,11 +174,12 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
         if bar is not None:
             bar.close()
         logger.close()
-    if latest_step(ckpt_dir) != step:
+    if saved != step:
         checkpoint(step)
     final_dir = run.out_dir / "student_final"
+    final_params = gathered(state.params)  # every process takes part in the gather
     if jax.process_index() == 0:
-        hf.save_model(final_dir, run.student_cfg, state.params)
+        hf.save_model(final_dir, run.student_cfg, final_params)
         run.tokenizer.save_pretrained(final_dir)
     summary = {
         "steps": step, "mode": pc.mode, "dropped_rollouts": dropped, "seconds": time.time() - t_start,

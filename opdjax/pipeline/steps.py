@@ -7,6 +7,7 @@ import numpy as np
 
 from opdjax.core.types import Batch
 from opdjax.data.prompts import encode_prompts
+from opdjax.learner.distributed import barrier, is_multiprocess
 from opdjax.pipeline.build import Run, sampling_params
 from opdjax.rollout import RolloutBatch
 
@@ -60,3 +61,6 @@ def publish(run: Run, params, version: int) -> None:
     """Send the learner's weights to the engine as `version` through the run's publisher (HF names and layout,
     the engine's dtype; sharded params gathered; returns once the engine has applied the version)."""
     run.publisher.publish(params, version)
+    if is_multiprocess() and not run.publisher.every_process:
+        barrier(f"opdjax-publish-v{version}")  # the others sample only once process 0's publish is applied
+        run.engine.mark_published(version)

