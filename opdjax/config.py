@@ -228,7 +228,8 @@ class PipelineConfig:
 @dataclasses.dataclass
 class SyncConfig:
     transport: str = "auto"          # auto (inproc locally, tcp to servers) | inproc | shm | tcp
-    root: str = ""                   # shm: snapshot directory ("": a fresh one under /dev/shm, removed at the end)
+    root: str = ""                   # shm: snapshot directory ("": a fresh one under /dev/shm, removed at the end;
+                                     # with servers: the directory they read, their --shm-root)
     timeout: float = 60.0            # seconds one publish may take before it fails
     token_file: str = ""             # servers: file holding the shared secret (HTTP bearer token and bridge HMAC)
     request_timeout: float = 120.0   # servers: seconds one generate/score request may take
@@ -286,9 +287,12 @@ class TrainConfig:
         if (r.endpoints or self.teacher.endpoints) and not self.sync.token_file:
             raise ConfigError("rollout.endpoints / teacher.endpoints need sync.token_file (the file holding the "
                               "servers' shared secret)")
-        if r.endpoints and self.sync.transport not in ("auto", "tcp"):
-            raise ConfigError(f"sync.transport={self.sync.transport!r}: rollout servers take weights over their tcp "
-                              f"bridge (sync.transport=tcp or auto)")
+        if r.endpoints and self.sync.transport == "inproc":
+            raise ConfigError("sync.transport=inproc: rollout servers run in their own processes; use tcp (or auto), "
+                              "or shm with servers on this host")
+        if r.endpoints and self.sync.transport == "shm" and not self.sync.root:
+            raise ConfigError("sync.transport=shm with rollout.endpoints needs sync.root: the directory the servers "
+                              "read snapshots from (opdjax serve --shm-root DIR, on this host)")
         return self
 
 

@@ -60,7 +60,8 @@ def _serve(args) -> int:
         tok = load_tokenizer(student_path)
         _, params = hf.load_state(student_path, mcfg, param_dtype=cfg.student.dtype)
         server = EngineServer(engine=make_engine(cfg, student_path, mcfg, params, tok), token=token, host=args.host,
-                              port=args.port, bridge_port=args.bridge_port, model_name=student_path)
+                              port=args.port, bridge_port=args.bridge_port, model_name=student_path,
+                              shm_root=args.shm_root)
     else:
         teacher = make_teacher(dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, endpoints=())),
                                teacher_path, make_mesh(cfg.mesh.shape))
@@ -105,7 +106,8 @@ def _serve_vllm(args, cfg: config.TrainConfig, path: str, token: str) -> int:
     """vLLM's own server with opdjax's extension as a child process; the ready line once it answers."""
     port = args.port or _free_port(args.host)
     argv, env = vllm_command(path, role=args.role, token_file=os.path.abspath(args.token_file), host=args.host,
-                             port=port, bridge_port=args.bridge_port, llm_kwargs=_vllm_settings(cfg, args.role, path))
+                             port=port, bridge_port=args.bridge_port, shm_root=args.shm_root,
+                             llm_kwargs=_vllm_settings(cfg, args.role, path))
     if args.print_command:
         print(shell_line(argv, env))
         return 0
@@ -145,6 +147,9 @@ def add_serve_command(subparsers) -> None:
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sp.add_argument("--port", type=int, default=0, help="HTTP port (0: a free one, printed when ready)")
     sp.add_argument("--bridge-port", type=int, default=0, help="weight bridge TCP port (rollout role; 0: free)")
+    sp.add_argument("--shm-root", default=None,
+                    help="rollout role on the learner's host: also take weights from the shared-memory snapshots a "
+                         "run with sync.transport=shm sync.root=DIR writes into DIR")
     sp.add_argument("--token-file", required=True, help="file holding the shared secret (never on the command line)")
     sp.add_argument("--config", default=None, help="YAML config (the same keys as train)")
     sp.add_argument("--print-command", action="store_true",

@@ -89,7 +89,8 @@ def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, p
         s = cfg.sync
         return RemoteEngine(r.endpoints, read_token(s.token_file), student_cfg, pad_id=tokenizer.pad_token_id,
                             sync=cfg.pipeline.mode == "sync", timeout=s.request_timeout, publish_timeout=s.timeout,
-                            retries=s.retries, wait_s=s.wait_s)
+                            retries=s.retries, wait_s=s.wait_s, transport="shm" if s.transport == "shm" else "tcp",
+                            shm_root=s.root or None)
     if r.engine == "vllm":
         return VllmEngine(student_path, dtype=r.dtype, seed=r.seed,
                           recipe=None if r.recipe == "none" else r.recipe, **r.vllm)

@@ -32,7 +32,7 @@ from opdjax.models.config import ModelConfig
 from opdjax.remote import protocol
 from opdjax.remote.server import spec_fingerprint
 from opdjax.rollout.base import RolloutBatch, SamplingParams
-from opdjax.sync import BridgeError, Manifest, ModelSpec, TcpTransport
+from opdjax.sync import BridgeError, Manifest, ModelSpec, SnapshotTransport, TcpTransport
 from opdjax.sync.manifest import np_dtype
 from opdjax.teacher.base import TeacherScores
 
@@ -213,18 +213,29 @@ class _Pool:
 
 
 class _FanOutLink:
-    """Publishes each version to every rollout server's bridge (TCP); keeps the newest one to resync a server that
-    comes back. `send` returns once every live server has applied the version."""
+    """Publishes each version to every rollout server; keeps the newest one to resync a server that comes back.
+    `send` returns once every live server has applied the version.
+
+    kind "tcp": each server's TCP bridge. kind "shm": one shared-memory snapshot in `shm_root` (a
+    `SnapshotTransport`), which every server (on this host, started with the same `--shm-root`) then reads."""
 
     needs_checksums = True
 
-    def __init__(self, engine: "RemoteEngine", timeout: float):
-        self.engine, self.timeout = engine, timeout
+    def __init__(self, engine: "RemoteEngine", timeout: float, kind: str = "tcp", shm_root: str | None = None):
+        if kind not in ("tcp", "shm"):
+            raise InputError(f"remote servers take weights over 'tcp' or 'shm', not {kind!r}")
+        if kind == "shm" and not shm_root:
+            raise InputError("sync.transport=shm with servers needs sync.root: the directory the servers read "
+                             "(opdjax serve --shm-root DIR)")
+        self.engine, self.timeout, self.kind = engine, timeout, kind
+        self.shm_root = str(shm_root) if shm_root else None
+        self.snapshots = SnapshotTransport(self.shm_root) if kind == "shm" else None
         self.last: tuple[Manifest, list[Any]] | None = None
-        self.kind = "tcp"
 
     def send(self, manifest: Manifest, arrays: Sequence[Any]) -> None:
         self.last = (manifest, [np.asarray(a) for a in arrays])
+        if self.snapshots is not None:
+            self.snapshots.send(manifest, self.last[1])
         pool = self.engine.pool
         acked = 0
         for s in list(pool.servers):
@@ -240,16 +251,40 @@ class _FanOutLink:
             pool.live()
 
     def push(self, s: _Server, manifest: Manifest, arrays: Sequence[Any]) -> None:
-        port = s.info.get("bridge", {}).get("port")
-        if not port:
-            raise BridgeError(f"server {s.endpoint} has no weight bridge")
-        TcpTransport(s.host, int(port), s.token, timeout=self.timeout).send(manifest, arrays)
+        """Give server `s` this version (over its bridge, or from the snapshot already written) and apply it."""
+        if self.snapshots is not None:
+            self._from_snapshot(s, manifest.version)
+        else:
+            port = s.info.get("bridge", {}).get("port")
+            if not port:
+                raise BridgeError(f"server {s.endpoint} has no weight bridge")
+            TcpTransport(s.host, int(port), s.token, timeout=self.timeout).send(manifest, arrays)
         if s.dialect == "vllm":  # validated and staged in vLLM's worker: load it between engine steps
             _vllm_apply(s, manifest.version)
         s.info["received_version"] = manifest.version
 
+    def _from_snapshot(self, s: _Server, version: int) -> None:
+        root = (s.info.get("shm") or {}).get("root")
+        if root != self.shm_root:
+            raise ServerRefused(f"server {s.endpoint} reads snapshots from {root!r}, the run writes them to "
+                                f"{self.shm_root!r}: start it with --shm-root {self.shm_root} on this host, or "
+                                f"use sync.transport=tcp")
+        try:
+            if s.dialect == "vllm":
+                got = s.call("POST", "/collective_rpc", {"method": "opdjax_poll_snapshot"})["results"][0]
+                have = got.get("staged") if got.get("staged") is not None else got.get("version")
+            else:
+                have = s.call("POST", "/v1/opdjax/poll_snapshot", {})["received_version"]
+        except ServerRefused as e:  # the snapshot was refused (checksum, shape, ...): the server keeps its version
+            raise BridgeError(str(e)) from None
+        if int(have) != int(version):
+            raise BridgeError(f"server {s.endpoint} found v{have}, not v{version}, in {self.shm_root}: is it on "
+                              f"another host? (shm works on one host; use sync.transport=tcp across hosts)")
+
     def close(self) -> None:
         self.last = None
+        if self.snapshots is not None:
+            self.snapshots.close()
 
 
 def _vllm_apply(s: _Server, version: int) -> None:
@@ -276,10 +311,11 @@ class RemoteEngine:
 
     def __init__(self, endpoints: Sequence[str], token: str, cfg: ModelConfig, *, pad_id: int,
                  sync: bool = True, timeout: float = 120.0, publish_timeout: float = 60.0, retries: int = 3,
-                 backoff: float = 0.5, wait_s: float = 60.0, log_fn=None):
+                 backoff: float = 0.5, wait_s: float = 60.0, transport: str = "tcp", shm_root: str | None = None,
+                 log_fn=None):
         self.cfg, self.pad_id, self.sync = cfg, int(pad_id), bool(sync)
         self.published: int | None = None
-        self.link = _FanOutLink(self, publish_timeout)
+        self.link = _FanOutLink(self, publish_timeout, transport, shm_root)
         self.pool = _Pool("rollout", endpoints, token, timeout=timeout, retries=retries, backoff=backoff,
                           wait_s=wait_s, check=self._check, log_fn=log_fn)
         self.pool.live()  # at least one server at start

@@ -3,10 +3,13 @@
     GET  /health              liveness ({"ok": true}); no token needed, returns no model output
     GET  /v1/opdjax/info      role, model spec fingerprint, served version, bridge port, teacher temperature
     POST /v1/completions      rollouts (role "rollout") or prompt log-probs (role "teacher"); see `protocol`
+    POST /v1/opdjax/poll_snapshot   (with `shm_root`) apply the newest snapshot a same-host learner wrote there
 
 Weights reach a rollout server through the bridge: a `TcpReceiverServer` on `bridge_port` (the same shared secret,
 HMAC challenge), which validates a publish completely and applies it all or nothing; the engine tags the new
-version and every later response carries it. Every endpoint but /health needs `Authorization: Bearer <token>`
+version and every later response carries it. A server on the learner's host can also take them from shared memory:
+with `shm_root` it reads the snapshots a `SnapshotTransport` writes into that directory (its own, configured here;
+a client only asks it to look), validated and applied the same way. Every endpoint but /health needs `Authorization: Bearer <token>`
 (compared in constant time); a wrong or missing token gets 401 and is logged. The server binds 127.0.0.1 unless
 told otherwise. Requests are served one at a time per engine (a lock), publishes concurrently with them.
 """
@@ -24,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from opdjax.remote import protocol
-from opdjax.sync import ModelSpec, TcpReceiverServer
+from opdjax.sync import ModelSpec, SnapshotWatcher, TcpReceiverServer
 
 log = logging.getLogger("opdjax.serve")
 
@@ -47,7 +50,8 @@ class EngineServer:
     """
 
     def __init__(self, *, token: str, engine=None, teacher=None, host: str = "127.0.0.1", port: int = 0,
-                 bridge_port: int = 0, model_name: str = "opdjax", publish_timeout: float = 600.0):
+                 bridge_port: int = 0, model_name: str = "opdjax", publish_timeout: float = 600.0,
+                 shm_root: str | None = None):
         if (engine is None) == (teacher is None):
             raise ValueError("EngineServer serves exactly one of engine= or teacher=")
         if not token:
@@ -60,6 +64,8 @@ class EngineServer:
         if engine is not None:
             self.bridge = TcpReceiverServer(engine.receiver, token, host=host, port=bridge_port,
                                             timeout=publish_timeout)
+        self.shm_root = str(shm_root) if shm_root and engine is not None else None
+        self.watcher = SnapshotWatcher(self.shm_root, engine.receiver) if self.shm_root else None
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -112,7 +118,8 @@ class EngineServer:
             return {"role": self.role, "model": self.model_name, "model_type": spec.model_type, "dtype": spec.dtype,
                     "spec_sha256": spec_fingerprint(spec), "version": int(self.engine.version),
                     "received_version": int(self.engine.receiver.received_version),
-                    "bridge": {"transport": "tcp", "port": self.bridge_port}}
+                    "bridge": {"transport": "tcp", "port": self.bridge_port},
+                    **({"shm": {"root": self.shm_root}} if self.shm_root else {})}
         cfg = self.teacher.cfg
         return {"role": self.role, "model": self.model_name, "model_type": cfg.model_type,
                 "vocab_size": cfg.vocab_size, "temperature": float(getattr(self.teacher, "temperature", 1.0))}
@@ -134,6 +141,9 @@ class EngineServer:
                 return _reply(h, 401, {"error": {"message": "missing or wrong bearer token", "type": "auth"}})
             if method == "GET" and path == "/v1/opdjax/info":
                 return _reply(h, 200, self.info())
+            if method == "POST" and path == "/v1/opdjax/poll_snapshot" and self.watcher is not None:
+                self.watcher.poll()  # a refused snapshot raises BridgeError (a ValueError): 400 with the reason
+                return _reply(h, 200, {"received_version": int(self.engine.receiver.received_version)})
             if method == "POST" and path == "/v1/completions":
                 body = _read_json(h)
                 with self._lock:

@@ -18,7 +18,8 @@ The extension points, and what each carries:
   port; the same shared secret, HMAC-authenticated) and reports the model spec fingerprint, the applied version and
   the bridge port. A publish arrives over the bridge and is validated completely by the worker's `WeightReceiver`
   (names, shapes, dtypes, checksums), then staged; `opdjax_apply(version)` loads the staged tensors in one
-  `reload_weights` call, between engine steps.
+  `reload_weights` call, between engine steps. On the learner's host, OPDJAX_SHM_ROOT=DIR lets
+  `opdjax_poll_snapshot()` stage the newest shared-memory snapshot a `SnapshotTransport` wrote into DIR instead.
 * `--middleware RequireToken`: every path except GET /health and /ping needs `Authorization: Bearer <secret>`
   (the secret read from the file OPDJAX_TOKEN_FILE names, never from the command line); refusals are logged.
   vLLM's own `--api-key` guards only /v1, /inference, ... and not the RL routes, so it is not enough here.
@@ -47,7 +48,7 @@ from opdjax.models.config import ModelConfig
 from opdjax.remote.client import read_token
 from opdjax.remote.server import spec_fingerprint
 from opdjax.rollout.vllm_engine import to_torch
-from opdjax.sync import ModelSpec, TcpReceiverServer, WeightReceiver
+from opdjax.sync import ModelSpec, SnapshotWatcher, TcpReceiverServer, WeightReceiver
 from opdjax.sync.manifest import np_dtype
 
 log = logging.getLogger("opdjax.remote")
@@ -71,7 +72,8 @@ def _flag(key: str, value: Any) -> list[str]:
 
 
 def vllm_command(model: str, *, role: str, token_file: str, host: str = "127.0.0.1", port: int = 8000,
-                 bridge_host: str | None = None, bridge_port: int = 0, llm_kwargs: Mapping[str, Any] = (),
+                 bridge_host: str | None = None, bridge_port: int = 0, shm_root: str | None = None,
+                 llm_kwargs: Mapping[str, Any] = (),
                  python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) starting vLLM's own server for opdjax (see the module docstring).
 
@@ -94,6 +96,8 @@ def vllm_command(model: str, *, role: str, token_file: str, host: str = "127.0.0
             argv += _flag(k, v)
     env = {"VLLM_SERVER_DEV_MODE": "1", "OPDJAX_TOKEN_FILE": str(token_file), "OPDJAX_ROLE": role,
            "OPDJAX_BRIDGE_HOST": bridge_host or host, "OPDJAX_BRIDGE_PORT": str(int(bridge_port))}
+    if shm_root:
+        env["OPDJAX_SHM_ROOT"] = str(shm_root)
     return argv, env
 
 
@@ -156,7 +160,10 @@ class _State:
         self.role = os.environ.get("OPDJAX_ROLE", "rollout")
         self.target = _Staging()
         self.receiver = WeightReceiver(self.target, self.spec, name="vllm server")
-        self.bridge = None
+        self.bridge = self.watcher = None
+        self.shm_root = os.environ.get("OPDJAX_SHM_ROOT") or None
+        if self.role == "rollout" and self.shm_root:
+            self.watcher = SnapshotWatcher(self.shm_root, self.receiver)
         if self.role == "rollout":
             self.bridge = TcpReceiverServer(self.receiver, _token(),
                                             host=os.environ.get("OPDJAX_BRIDGE_HOST", "127.0.0.1"),
@@ -185,7 +192,19 @@ class OpdjaxWorker:
                 "version": st.target.version, "received_version": st.target.version}
         if st.bridge is not None:
             info["bridge"] = {"transport": "tcp", "port": st.bridge.port}
+        if st.watcher is not None:
+            info["shm"] = {"root": st.shm_root}
         return info
+
+    def opdjax_poll_snapshot(self) -> dict[str, Any]:
+        """Stage the newest snapshot in OPDJAX_SHM_ROOT (validated like a bridge publish); the staged version."""
+        st = self._opdjax()
+        if st.watcher is None:
+            raise RuntimeError("this server reads no snapshots: start it with OPDJAX_SHM_ROOT (opdjax serve "
+                               "--shm-root DIR)")
+        st.watcher.poll()
+        pending = st.target.pending
+        return {"staged": None if pending is None else pending[0], "version": st.target.version}
 
     def opdjax_apply(self, version: str) -> dict[str, Any]:
         """Load the staged publish `version` (validated on arrival) into the model, all tensors in one reload."""

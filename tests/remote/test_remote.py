@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from opdjax.config import ConfigError
-from opdjax.models import ModelConfig
+from opdjax.models import ModelConfig, hf
 from opdjax.models.tiny import load_tokenizer, make_tiny
 from opdjax.pipeline import loop as pipeline
 from opdjax.remote import protocol
@@ -129,3 +129,37 @@ def test_servers_need_a_token_file_and_host_port_endpoints(pair, tmp_path):
         _cfg(pair, tmp_path, "rollout.endpoints=[localhost]")
     with pytest.raises(ConfigError, match="the servers own the engine"):
         _cfg(pair, tmp_path, "rollout.endpoints=[127.0.0.1:8300]", "sync.token_file=t", "rollout.recipe=fp8_w8a8")
+    with pytest.raises(ConfigError, match="needs sync.root"):
+        _cfg(pair, tmp_path, "rollout.endpoints=[127.0.0.1:8300]", "sync.token_file=t", "sync.transport=shm")
+    with pytest.raises(ConfigError, match="own processes"):
+        _cfg(pair, tmp_path, "rollout.endpoints=[127.0.0.1:8300]", "sync.token_file=t", "sync.transport=inproc")
+
+
+def test_a_server_on_this_host_takes_weights_from_shared_memory(pair, tmp_path):
+    """sync.transport=shm: one snapshot in the servers' --shm-root, read and validated by each; a server that reads
+    another directory is refused with the fix; a corrupt snapshot is refused and the server keeps its version."""
+    cfg = ModelConfig.from_dir(pair[0])
+    root = tmp_path / "shm"
+    with EngineServer(engine=_engine(pair[0]), token=TOKEN, shm_root=str(root)) as a, \
+            EngineServer(engine=_engine(pair[0]), token=TOKEN, shm_root=str(root)) as b:
+        remote = RemoteEngine([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"], TOKEN, cfg, pad_id=0, wait_s=5,
+                              transport="shm", shm_root=str(root))
+        params = hf.load_state(pair[0], cfg)[1]
+        Publisher(cfg, remote.link, dtype="float32").publish(params, 1)
+        assert a.engine.version == b.engine.version == 1 and (root / f"v{1:010d}").is_dir()
+        batch = remote.generate([[5, 6], [7, 8, 9]], SamplingParams(max_new_tokens=3), seed=0)
+        assert (batch.version_B == 1).all()
+
+        manifest, arrays = prepare(cfg, params, 2, dtype="float32")
+        bad = [np.array(x, copy=True) for x in arrays]
+        bad[0] += 1.0  # bytes that no longer match the manifest's CRC-32
+        remote.link.snapshots.send(manifest, bad)
+        with pytest.raises(BridgeError, match="checksum"):
+            remote.link.push(remote.pool.servers[0], manifest, bad)
+        assert a.engine.version == 1
+        remote.link.close()
+    with EngineServer(engine=_engine(pair[0]), token=TOKEN, shm_root=str(tmp_path / "elsewhere")) as c:
+        other = RemoteEngine([f"127.0.0.1:{c.port}"], TOKEN, cfg, pad_id=0, wait_s=5, transport="shm",
+                             shm_root=str(root))
+        with pytest.raises(ServerRefused, match="--shm-root"):
+            Publisher(cfg, other.link, dtype="float32").publish(params, 3)

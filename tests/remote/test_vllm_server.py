@@ -29,15 +29,16 @@ VLLM_KW = "rollout.vllm={kv_cache_memory_bytes: 33554432, max_model_len: 256, ma
 
 @pytest.fixture(scope="module")
 def servers(pair, tmp_path_factory, vllm_module):
-    token = tmp_path_factory.mktemp("vllm_serve") / "token"
+    d = tmp_path_factory.mktemp("vllm_serve")
+    token, shm = d / "token", d / "shm"
     token.write_text(SECRET)
     procs = []
     try:
-        rollout, r = _start("rollout", pair, str(token), "--engine", "vllm", VLLM_KW)
+        rollout, r = _start("rollout", pair, str(token), "--engine", "vllm", "--shm-root", str(shm), VLLM_KW)
         procs.append(rollout)
         teacher, t = _start("teacher", pair, str(token), "--engine", "vllm")
         procs.append(teacher)
-        yield {"rollout": r, "teacher": t, "token": str(token)}
+        yield {"rollout": r, "teacher": t, "token": str(token), "shm": str(shm)}
     finally:
         for p in procs:
             p.terminate()
@@ -107,6 +108,20 @@ def test_a_publish_is_validated_applied_and_tags_every_rollout(servers, pair):
     again = remote.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0), seed=3)
     assert (again.version_B == 1).all()  # still serving v1, and the same weights
     np.testing.assert_array_equal(again.tokens_BT, batch.tokens_BT)
+
+
+def test_a_vllm_server_on_this_host_takes_weights_from_shared_memory(servers, pair):
+    cfg = ModelConfig.from_dir(pair[0])
+    remote = RemoteEngine([f"127.0.0.1:{servers['rollout']['port']}"], SECRET, cfg, pad_id=0, wait_s=10,
+                          transport="shm", shm_root=servers["shm"])
+    params = nnx.state(decoder.create(cfg, seed=32))
+    Publisher(cfg, remote.link, dtype="float32").publish(params, 5)
+    batch = remote.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=6, temperature=1.0), seed=4)
+    remote.link.close()
+    assert (batch.version_B == 5).all()
+    graphdef, _ = nnx.split(decoder.abstract(cfg))
+    lp = Learner(graphdef).logp(params, batch.tokens_BT, batch.valid_BT, temperature=1.0)
+    assert float(np.abs(lp - batch.rollout_logp_BT)[batch.completion_mask_BT].mean()) <= 1e-4
 
 
 def test_the_vllm_teacher_scores_like_the_jax_teacher(servers, pair):
