@@ -142,21 +142,30 @@ class TcpTransport:
 
 
 class TcpReceiverServer:
-    """Engine side of the TCP transport: one publish at a time, applied through `receiver`.
+    """Engine side of the TCP transport: publishes applied through `receiver`, one at a time.
 
     token: the shared secret (required; str or bytes). host defaults to 127.0.0.1; port 0 picks a free port
     (`self.port`). Refusals (bad token, bad manifest, truncated/corrupt payload) are logged and kept in
     `self.refusals`.
+
+    Every connection gets its own thread (at most `max_connections` at once; more are closed at once), and must
+    complete the handshake (hello, token proof, manifest) within `handshake_timeout` seconds. Only then does it
+    queue for the one transfer slot (the payload buffer), where `timeout` bounds the transfer. So an idle, slow or
+    half-open socket delays a good publisher by nothing: it holds its own thread until its handshake times out.
     """
 
     def __init__(self, receiver: WeightReceiver, token: str | bytes, *, host: str = "127.0.0.1", port: int = 0,
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, handshake_timeout: float = 5.0, max_connections: int = 256):
         if not token:
             raise ValueError("TcpReceiverServer needs a non-empty shared secret token")
         self.receiver = receiver
         self.token = token
         self.timeout = timeout
+        self.handshake_timeout = float(handshake_timeout)
         self.refusals: list[str] = []
+        self._slots = threading.BoundedSemaphore(int(max_connections))
+        self._transfer = threading.Lock()  # one payload buffer: one transfer at a time
+        self._conns: set[socket.socket] = set()
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -170,7 +179,6 @@ class TcpReceiverServer:
         self.host, self.port = self._sock.getsockname()[:2]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._conn: socket.socket | None = None
 
     def start(self) -> "TcpReceiverServer":
         self._thread = threading.Thread(target=self._serve, name="opdjax-tcp-receiver", daemon=True)
@@ -180,8 +188,7 @@ class TcpReceiverServer:
     def stop(self) -> None:
         """Stop serving; a transfer in flight is cut (the learner sees an error, the engine keeps its version)."""
         self._stop.set()
-        conn = self._conn
-        for s in (conn, self._sock):
+        for s in (*list(self._conns), self._sock):
             if s is not None:
                 try:
                     s.shutdown(socket.SHUT_RDWR)
@@ -211,16 +218,27 @@ class TcpReceiverServer:
                 conn, peer = self._sock.accept()
             except OSError:
                 return
-            self._conn = conn
-            try:
-                with conn:
-                    conn.settimeout(self.timeout)
+            if not self._slots.acquire(blocking=False):
+                log.warning("tcp receiver: refused %s: too many open connections", peer)
+                conn.close()
+                continue
+            self._conns.add(conn)
+            threading.Thread(target=self._connection, args=(conn, peer), name="opdjax-tcp-conn", daemon=True).start()
+
+    def _connection(self, conn: socket.socket, peer) -> None:
+        try:
+            with conn:
+                conn.settimeout(self.handshake_timeout)
+                try:
                     self._handle(conn, peer)
-            except Exception as e:  # a broken client must not kill the server
-                if not self._stop.is_set():
-                    log.warning("tcp receiver: connection from %s failed: %s", peer, e)
-            finally:
-                self._conn = None
+                except TimeoutError:
+                    self._refuse(conn, peer, "the client went silent (handshake or transfer timed out)")
+        except Exception as e:  # a broken or silent client must not kill the server
+            if not self._stop.is_set():
+                log.warning("tcp receiver: connection from %s failed: %s", peer, e)
+        finally:
+            self._conns.discard(conn)
+            self._slots.release()
 
     def _handle(self, conn: socket.socket, peer) -> None:
         served = self.receiver.version
@@ -248,6 +266,11 @@ class TcpReceiverServer:
         except BridgeError as e:
             self._refuse(conn, peer, str(e))
             return
+        conn.settimeout(self.timeout)  # authenticated: the transfer may take as long as a publish may
+        with self._transfer:
+            self._receive(conn, peer, manifest, served)
+
+    def _receive(self, conn: socket.socket, peer, manifest: Manifest, served: int) -> None:
         _send_status(conn, ok=True, version=served)
         t0 = time.perf_counter()
         if self._buf.size != manifest.total_bytes:

@@ -192,6 +192,27 @@ def test_tcp_wrong_or_missing_token_is_refused_and_logged(cfg, params, rx, token
     assert target.applied == [] and target.version == 0
 
 
+def test_idle_and_partial_sockets_do_not_delay_a_good_publish(cfg, params, rx):
+    """50 idle connections and one that sent 3 bytes stay open; a good publisher is served at once, and the silent
+    ones are dropped at the handshake timeout (issue 16, row 13)."""
+    import time
+
+    target, receiver = rx
+    with TcpReceiverServer(receiver, TOKEN, handshake_timeout=3.0) as srv:
+        idle = [socket.create_connection((srv.host, srv.port)) for _ in range(50)]
+        partial = socket.create_connection((srv.host, srv.port))
+        partial.sendall(b"OPD")
+        try:
+            t0 = time.perf_counter()
+            Publisher(cfg, TcpTransport(srv.host, srv.port, TOKEN, timeout=10), dtype="bfloat16").publish(params[1], 1)
+            assert time.perf_counter() - t0 < 2.0 and target.version == 1
+            partial.settimeout(10)
+            assert T._recv_status(partial, "status")["ok"] is False  # cut at its handshake timeout, told why
+        finally:
+            for c in (*idle, partial):
+                c.close()
+
+
 def test_tcp_bad_manifest_is_refused_before_the_payload(cfg, params, rx):
     target, receiver = rx
     m, _ = prepare(cfg, params[1], 1, dtype="float32")  # engine serves bf16
