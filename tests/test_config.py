@@ -94,3 +94,17 @@ def test_keys_of_a_section_survive_a_later_path_shortcut():
                                    "student=/models/s"])
     assert (cfg.teacher.path, cfg.teacher.engine) == ("/models/t", "vllm")
     assert (cfg.student.path, cfg.student.remat) == ("/models/s", "block")
+
+
+def test_every_opdjax_error_is_one_line_and_debug_shows_the_traceback(capsys, tmp_path, pair):
+    from opdjax.core.errors import InputError, OpdjaxError, UnavailableError
+    from opdjax.remote.client import ServersUnavailable
+
+    assert issubclass(InputError, OpdjaxError) and issubclass(ServersUnavailable, UnavailableError)
+    assert issubclass(UnavailableError, OpdjaxError)
+    argv = ["train", f"student={tmp_path / 'nope'}", f"teacher={pair[1]}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("opdjax train: error: ConfigError: "), err
+    with pytest.raises(ConfigError, match="no such directory"):
+        main(["--debug", *argv])

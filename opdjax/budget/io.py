@@ -16,6 +16,7 @@ import jax
 import jaxlib
 
 from opdjax.config import to_dict
+from opdjax.core import mismatch
 from opdjax.core.errors import InputError
 from opdjax.pipeline.build import resolve_models
 
@@ -50,8 +51,9 @@ def load_budget(path: str | pathlib.Path) -> Budget:
     if missing:
         raise AdmissionError(f"budget file {p}: missing key(s) {missing}; found {sorted(d)}")
     metric, b = d["metric"], d["budget"]
-    if not isinstance(metric, str) or not metric:
-        raise AdmissionError(f"budget file {p}: 'metric' must be a metric name such as 'k3', got {metric!r}")
+    if not isinstance(metric, str) or metric not in mismatch.ESTIMATORS:
+        raise AdmissionError(f"budget file {p}: 'metric' must be one of {list(mismatch.ESTIMATORS)} (the mismatch "
+                             f"estimators the probe measures), got {metric!r}")
     if isinstance(b, bool) or not isinstance(b, (int, float)):
         raise AdmissionError(f"budget file {p}: 'budget' has the wrong type ({type(b).__name__}); expected a finite "
                              f"number >= 0, got {b!r}")

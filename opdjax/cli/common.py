@@ -1,4 +1,5 @@
-"""What every command shares: bad input is reported in one line (exit 2), never as a traceback."""
+"""What every command shares: an opdjax error is reported in one line (exit 2), never as a traceback (unless
+`opdjax --debug ...`)."""
 
 from __future__ import annotations
 
@@ -6,19 +7,22 @@ import functools
 import sys
 from typing import Callable
 
-from opdjax.core.errors import InputError
+from opdjax.core.errors import OpdjaxError
 
 __all__ = ["guard"]
 
 
 def guard(fn: Callable) -> Callable:
-    """Run a command; an `InputError` (a config, checkpoint, vocabulary, recipe, budget or manifest that is wrong)
-    prints `opdjax <command>: <Error>: <message>` to stderr and returns exit code 2."""
+    """Run a command; an `OpdjaxError` (a config, checkpoint, vocabulary, recipe, budget or manifest that is wrong,
+    servers that do not answer) prints `opdjax <command>: error: <Error>: <message>` to stderr and returns exit
+    code 2; with `--debug` it propagates with its traceback."""
     @functools.wraps(fn)
     def wrapped(args) -> int:
         try:
             return int(fn(args) or 0)
-        except InputError as e:
-            print(f"opdjax {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        except OpdjaxError as e:
+            if getattr(args, "debug", False):
+                raise
+            print(f"opdjax {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
     return wrapped

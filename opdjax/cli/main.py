@@ -22,6 +22,7 @@ __all__ = ["build_parser", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="opdjax", description=__doc__)
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     sub = p.add_subparsers(dest="command", required=True)
     add_train_command(sub)
     add_measure_command(sub)

@@ -1,4 +1,4 @@
-"""The one base class of bad-input errors, and the config error every layer raises.
+"""The error classes every layer derives from: `OpdjaxError` (the root), `InputError`, `ConfigError`, `UnavailableError`.
 
 Every error that reports bad input — a config key or value, a checkpoint, a vocabulary, a recipe, a budget file, a
 weight manifest — derives from `InputError` (a ValueError): the CLI prints its message in one line and exits 2,
@@ -7,11 +7,19 @@ never a traceback. Each layer defines its own subclass next to the code that rai
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "InputError"]
+__all__ = ["ConfigError", "InputError", "OpdjaxError", "UnavailableError"]
 
 
-class InputError(ValueError):
+class OpdjaxError(Exception):
+    """The root of every error opdjax raises on purpose (the CLI reports it in one line, exit 2)."""
+
+
+class InputError(OpdjaxError, ValueError):
     """Bad input: the message names what is wrong and what was expected."""
+
+
+class UnavailableError(OpdjaxError, RuntimeError):
+    """Something a run needs did not answer in time (engine servers, a peer process)."""
 
 
 class ConfigError(InputError):

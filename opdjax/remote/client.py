@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from opdjax.core.errors import InputError
+from opdjax.core.errors import InputError, UnavailableError
 from opdjax.models.config import ModelConfig
 from opdjax.remote import protocol
 from opdjax.remote.server import spec_fingerprint
@@ -45,7 +45,7 @@ class ServerRefused(InputError):
     """A server refused a request for a reason retrying cannot fix (token, model, request)."""
 
 
-class ServersUnavailable(RuntimeError):
+class ServersUnavailable(UnavailableError):
     """No server answered within the wait bound."""
 
 

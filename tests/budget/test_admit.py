@@ -123,6 +123,9 @@ def test_load_budget_errors_name_the_problem(tmp_path):
     bad.write_text(json.dumps({"metric": "k3", "budget": "big"}))
     with pytest.raises(AdmissionError, match="finite number"):
         bio.load_budget(bad)
+    bad.write_text(json.dumps({"metric": "nonsense_metric", "budget": 0.1}))
+    with pytest.raises(AdmissionError, match="'metric' must be one of"):  # at load, not after a probe
+        bio.load_budget(bad)
     b = bio.load_budget(write_budget(tmp_path, budget=0.02))
     assert (b.metric, b.budget, b.delta) == ("k3", 0.02, 0.25)
 
