@@ -9,6 +9,7 @@ Top-level shortcuts: `student=DIR teacher=DIR prompts=FILE.jsonl`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import difflib
 import inspect
 import pathlib
@@ -248,8 +249,11 @@ class MeshConfig:
     shape: tuple = (1, -1, 1)        # (data, fsdp, tensor); one -1 = all remaining devices
 
     def validate(self):
-        if len(self.shape) != 3 or not all(isinstance(s, int) for s in self.shape):
+        if len(self.shape) != 3 or not all(isinstance(s, int) and not isinstance(s, bool) for s in self.shape):
             raise ConfigError(f"mesh.shape must be 3 integers (data, fsdp, tensor), got {self.shape!r}")
+        if list(self.shape).count(-1) > 1 or any(s == 0 or s < -1 for s in self.shape):
+            raise ConfigError(f"mesh.shape {list(self.shape)}: entries are positive device counts, and at most one "
+                              f"-1 (all remaining devices)")
 
 
 @dataclasses.dataclass
@@ -327,13 +331,18 @@ def _coerce(path: str, value: Any, tp) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        x = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            x = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
             try:
-                return float(value)
+                x = float(value)
             except ValueError:
                 pass
+        if x is not None:
+            if not math.isfinite(x):
+                raise ConfigError(f"{path} must be a finite number, got {value!r}")
+            return x
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

@@ -108,3 +108,23 @@ def test_every_opdjax_error_is_one_line_and_debug_shows_the_traceback(capsys, tm
     assert len(err) == 1 and err[0].startswith("opdjax train: error: ConfigError: "), err
     with pytest.raises(ConfigError, match="no such directory"):
         main(["--debug", *argv])
+
+
+@pytest.mark.parametrize("override", ["optim.lr=.nan", "optim.lr=.inf", "rollout.temperature=.nan", "optim.lr=-.inf"])
+def test_non_finite_numbers_are_refused(override):
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        load(TrainConfig, None, [override])
+
+
+def test_mesh_shapes_and_lengths_are_checked_before_any_model_is_built(capsys, tmp_path, pair):
+    """A mesh this machine cannot hold, a zero axis, a completion longer than the model, bad task options: one line,
+    exit 2, before the models load (issue 16 rows 7-8)."""
+    with pytest.raises(ConfigError, match="positive device counts"):
+        load(TrainConfig, None, ["mesh.shape=[0,1,1]"])
+    base = [f"student={pair[0]}", f"teacher={pair[1]}", f"pipeline.out_dir={tmp_path}"]
+    for extra, words in ((["mesh.shape=[16,1,1]"], "needs 16 devices"),
+                         (["rollout.max_new_tokens=100000"], "leaves no room for a prompt"),
+                         (["task.options={digits: 1, bogus: 2}"], "task 'addition'")):
+        assert main(["train", *base, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err

@@ -16,6 +16,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from opdjax.core.errors import ConfigError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
@@ -39,16 +41,17 @@ def make_mesh(shape: Sequence[int] = (1, -1, 1), devices: Sequence[jax.Device] |
     devices = list(jax.devices() if devices is None else devices)
     shape = list(shape)
     if len(shape) != 3:
-        raise ValueError(f"mesh shape needs 3 entries (data, fsdp, tensor), got {shape}")
-    if shape.count(-1) > 1:
-        raise ValueError(f"mesh shape may have at most one -1, got {shape}")
+        raise ConfigError(f"mesh.shape needs 3 entries (data, fsdp, tensor), got {shape}")
+    if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+        raise ConfigError(f"mesh.shape {shape}: entries are positive device counts, and at most one -1 (the rest)")
     known = math.prod(s for s in shape if s != -1)
     if -1 in shape:
         if len(devices) % known:
-            raise ValueError(f"mesh shape {shape}: {len(devices)} devices are not divisible by {known}")
+            raise ConfigError(f"mesh.shape {shape}: the {len(devices)} devices are not divisible by {known}")
         shape[shape.index(-1)] = len(devices) // known
     if math.prod(shape) > len(devices):
-        raise ValueError(f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices, only {len(devices)} exist")
+        raise ConfigError(f"mesh.shape {tuple(shape)} needs {math.prod(shape)} devices; this machine has "
+                          f"{len(devices)} ({jax.default_backend()})")
     devs = np.asarray(devices[: math.prod(shape)]).reshape(shape)
     return Mesh(devs, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 

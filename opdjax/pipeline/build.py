@@ -125,7 +125,14 @@ def make_teacher(cfg: TrainConfig, teacher_path: str, mesh: Mesh) -> Teacher:
 
 
 def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True) -> Run:
-    """Everything a run needs; `with_teacher=False` skips loading the teacher (probes only rescore the student)."""
+    """Everything a run needs; `with_teacher=False` skips loading the teacher (probes only rescore the student).
+
+    What can be checked without the models is checked first (mesh against the devices, the task's options)."""
+    mesh = make_mesh(cfg.mesh.shape)
+    try:
+        task = tasks.get_task(cfg.task.name, **cfg.task.options)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"task {cfg.task.name!r} with task.options={dict(cfg.task.options)}: {e}") from None
     student_path, teacher_path = resolve_models(cfg, log)
     tokenizer = load_tokenizer(student_path)
     try:
@@ -134,11 +141,13 @@ def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True) -> Run:
         teacher_tok = None
     student_cfg = ModelConfig.from_dir(student_path)
     check_same_vocab(student_cfg, ModelConfig.from_dir(teacher_path), tokenizer, teacher_tok)
-    mesh = make_mesh(cfg.mesh.shape)
+    if cfg.rollout.max_new_tokens >= student_cfg.max_position_embeddings:
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt: the "
+                          f"student has {student_cfg.max_position_embeddings} positions (prompt + completion must "
+                          f"fit)")
     st = cfg.student
     graphdef, params = hf.load_state(student_path, student_cfg, param_dtype=st.dtype, dtype=st.compute_dtype,
                                      attention=st.attention, remat=st.remat)
-    task = tasks.get_task(cfg.task.name, **cfg.task.options)
     loss_options = dict(cfg.loss.options)
     if cfg.loss.name == "reinforce" and cfg.rollout.samples_per_prompt > 1:
         loss_options.setdefault("group_size", cfg.rollout.samples_per_prompt)
