@@ -24,7 +24,7 @@ venv: $(VENV)/.core
 venv-test: $(VENV)/.test
 
 demo: $(VENV)/.core
-	$(BIN)/opdjax train
+	$(BIN)/opdjax train pipeline.overwrite=true
 
 test: $(VENV)/.test
 	OPDJAX_REQUIRE_VLLM=$${OPDJAX_REQUIRE_VLLM:-0} $(BIN)/python -m pytest -q

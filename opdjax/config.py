@@ -213,7 +213,8 @@ class PipelineConfig:
     eval_prompts: int = 128
     checkpoint_every: int = 0        # 0: only at the end
     out_dir: str = "runs/demo"
-    resume: bool = False
+    resume: bool = False             # continue the run in out_dir from its newest checkpoint (a finished run: no-op)
+    overwrite: bool = False          # a fresh run may replace a previous run in out_dir (refused otherwise)
     progress: bool = True
     tensorboard: bool = True
 

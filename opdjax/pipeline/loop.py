@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 import queue
 import shutil
 import threading
@@ -26,6 +27,7 @@ from opdjax.data.prompts import PromptStream
 from opdjax.learner import latest_step, restore_checkpoint, save_checkpoint
 from opdjax.learner.distributed import agree, barrier, gathered, row_share
 from opdjax.models import hf
+from opdjax.pipeline import rundir
 from opdjax.pipeline.build import Run, build
 from opdjax.pipeline.evaluate import Evaluator
 from opdjax.pipeline.logger import MetricsLogger
@@ -78,9 +80,56 @@ def _sample(run: Run, stream: PromptStream, seed: int) -> _Rollout:
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run OPD as configured; returns the summary (also written to <out_dir>/summary.json)."""
-    with build(cfg, log) as run:
-        return _train(run, log)
+    """Run OPD as configured; returns the summary (also written to <out_dir>/summary.json).
+
+    The run directory is claimed first (`rundir`): a busy one, or a previous run that a fresh run would destroy,
+    is refused before anything is built; resuming a finished run returns its summary and changes nothing."""
+    out = pathlib.Path(cfg.pipeline.out_dir)
+    held = _claim(out, cfg)
+    try:
+        done = _finished(out, cfg) if cfg.pipeline.resume else None
+        if done is not None:
+            log(f"{out} holds a finished run of {done['steps']} steps: nothing to resume, its results are kept")
+            return done
+        with build(cfg, log) as run:
+            return _train(run, log)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _claim(out: pathlib.Path, cfg: TrainConfig):
+    """Process 0 locks out_dir and checks it may write there; every process gets the same verdict."""
+    held, problem = None, None
+    if jax.process_index() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            held = rundir.lock(out)
+            prev = rundir.previous_run(out)
+            if prev and not cfg.pipeline.resume and not cfg.pipeline.overwrite:
+                raise rundir.RunDirError(
+                    f"pipeline.out_dir={str(out)!r} holds a previous run ({', '.join(prev)}); continue it with "
+                    f"pipeline.resume=true, replace it with pipeline.overwrite=true, or choose another out_dir")
+        except rundir.RunDirError as e:
+            problem = e
+            if held is not None:
+                held.release()
+                held = None
+    if agree(problem is not None):
+        raise problem or rundir.RunDirError("learner process 0 refused the run directory (see its message)")
+    return held
+
+
+def _finished(out: pathlib.Path, cfg: TrainConfig) -> dict[str, Any] | None:
+    """The summary of a run in `out` that already reached `pipeline.steps` (None if there is none)."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    last = latest_step(out / "checkpoints")
+    if int(summary.get("steps", -1)) >= cfg.pipeline.steps and last is not None and last >= cfg.pipeline.steps:
+        return summary
+    return None
 
 
 def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
@@ -88,13 +137,13 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
     pc = cfg.pipeline
     run.out_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
-        (run.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        rundir.write_json(run.out_dir / "config.json", to_dict(cfg))
     ckpt_dir = run.out_dir / "checkpoints"
     state = run.learner.init(run.params)
     stream = PromptStream(run.task, seed=cfg.seed)
     start, dropped, initial_eval = 0, 0, None
     if not pc.resume and ckpt_dir.exists() and jax.process_index() == 0:
-        shutil.rmtree(ckpt_dir)  # a fresh run replaces the old run's checkpoints (resume=true continues them)
+        shutil.rmtree(ckpt_dir)  # pipeline.overwrite=true: the old run's checkpoints go (resume=true continues them)
     barrier("opdjax-fresh-run-dir")
     saved = None  # the step of the newest checkpoint (tracked here, not re-read: processes must agree on it)
     if pc.resume and agree(latest_step(ckpt_dir) is not None):
@@ -104,14 +153,19 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
         stream.position = int(extra["stream_position"])
         initial_eval = extra.get("initial_eval")
         publish(run, state.params, start)
+        if jax.process_index() == 0:  # steps after the checkpoint were lost with the run: log each step once
+            rundir.truncate_metrics(run.out_dir / "metrics.jsonl", start)
         log(f"resumed from {ckpt_dir} at step {start} (stream position {stream.position})")
     logger = MetricsLogger(run.out_dir, pc.tensorboard, resume=pc.resume and start > 0)
     evaluate = Evaluator(run)
     if initial_eval is None:
         initial_eval = evaluate(state.params, start)
         logger.log(start, initial_eval)
-    log(f"step {start}: held-out reverse KL {initial_eval['eval/reverse_kl']:.3f}, "
-        f"accuracy {initial_eval['eval/accuracy']:.3f}")
+        log(f"step {start}: held-out reverse KL {initial_eval['eval/reverse_kl']:.3f}, "
+            f"accuracy {initial_eval['eval/accuracy']:.3f}")
+    else:
+        log(f"initial (step 0): held-out reverse KL {initial_eval['eval/reverse_kl']:.3f}, "
+            f"accuracy {initial_eval['eval/accuracy']:.3f}")
 
     def checkpoint(step):
         nonlocal saved
@@ -128,7 +182,8 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
         worker = _Worker(run, stream, q, first_seed=cfg.seed * 100_003 + start * 7919)
         worker.start()
     consumed_position = stream.position
-    last_eval = initial_eval
+    # Resumed at the last step (killed while writing the final results): evaluate the final weights again.
+    last_eval = evaluate(state.params, start) if start >= pc.steps > 0 else initial_eval
     t_start = time.time()
     step = start
     try:
@@ -178,9 +233,13 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
         checkpoint(step)
     final_dir = run.out_dir / "student_final"
     final_params = gathered(state.params)  # every process takes part in the gather
-    if jax.process_index() == 0:
-        hf.save_model(final_dir, run.student_cfg, final_params)
-        run.tokenizer.save_pretrained(final_dir)
+    if jax.process_index() == 0:  # written next to it, then renamed: a kill leaves the old export or the new one
+        tmp = run.out_dir / ".student_final.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        hf.save_model(tmp, run.student_cfg, final_params)
+        run.tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final_dir, ignore_errors=True)
+        tmp.rename(final_dir)
     summary = {
         "steps": step, "mode": pc.mode, "dropped_rollouts": dropped, "seconds": time.time() - t_start,
         "initial": initial_eval, "final": last_eval, "student_final": str(final_dir),
@@ -190,7 +249,7 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
     if outages:  # remote servers that went down (and came back) during the run
         summary["server_outages"] = outages
     if jax.process_index() == 0:
-        (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        rundir.write_json(run.out_dir / "summary.json", summary)
     return summary
 
 

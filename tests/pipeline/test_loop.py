@@ -48,11 +48,36 @@ def test_simulated_fp8_engine_shows_mismatch(pair, tmp_path):
     assert all("corr/is_frac_capped" in x for x in steps)
 
 
-def test_a_second_run_into_the_same_out_dir_replaces_the_first(pair, tmp_path):
-    pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=2"), log=lambda s: None)
-    pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=2"), log=lambda s: None)  # no StepAlreadyExists
-    pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=2", "pipeline.resume=true"), log=lambda s: None)  # no-op
-    assert latest_step(tmp_path / "run" / "checkpoints") == 2
+def test_a_finished_run_is_never_destroyed(pair, tmp_path):
+    """Issue 16 rows 1 and 3: a fresh run into a run's directory is refused unless pipeline.overwrite=true (which
+    replaces it); resuming a finished run is a no-op that keeps its summary and its metrics."""
+    from opdjax.pipeline.rundir import RunDirError
+
+    first = pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=2"), log=lambda s: None)
+    out = tmp_path / "run"
+    summary, metrics = (out / "summary.json").read_text(), (out / "metrics.jsonl").read_text()
+    with pytest.raises(RunDirError, match="holds a previous run .*pipeline.overwrite=true"):
+        pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=2"), log=lambda s: None)
+    again = pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=2", "pipeline.resume=true"), log=lambda s: None)
+    assert again == first and (out / "summary.json").read_text() == summary
+    assert (out / "metrics.jsonl").read_text() == metrics
+    pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=2", "pipeline.overwrite=true"), log=lambda s: None)
+    assert latest_step(out / "checkpoints") == 2 and len(_lines(tmp_path)) == len(metrics.splitlines())
+
+
+def test_a_run_directory_in_use_is_refused(pair, tmp_path):
+    """Issue 16 row 2: while one run holds out_dir, a second one is refused and names the first."""
+    from opdjax.pipeline import rundir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    held = rundir.lock(out)
+    try:
+        with pytest.raises(rundir.RunDirError, match=r"is in use by pid \d+"):
+            pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=2"), log=lambda s: None)
+    finally:
+        held.release()
+    assert not (out / "metrics.jsonl").exists()
 
 
 def test_resume_continues_exactly_where_the_run_stopped(pair, tmp_path):
@@ -120,3 +145,34 @@ def test_publishing_over_a_wire_transport_trains_exactly_as_in_process(pair, tmp
     la = [x for x in _lines(tmp_path / "a") if "loss" in x]
     lb = [x for x in _lines(tmp_path / "b") if "loss" in x]
     assert [x["loss"] for x in la] == [x["loss"] for x in lb]
+
+
+def test_kill_9_mid_run_then_resume_logs_every_step_once(pair, tmp_path):
+    """Issue 16 row 4, with a real process: killed after the step-4 checkpoint and a few more steps, the resumed run's
+    metrics.jsonl holds each step once and the initial evaluation under step 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
+            "rollout.max_new_tokens=4", "pipeline.eval_every=0", "pipeline.eval_prompts=16", "pipeline.steps=10",
+            "pipeline.checkpoint_every=4", "pipeline.progress=false", "pipeline.tensorboard=false",
+            f"pipeline.out_dir={tmp_path / 'run'}"]
+    p = subprocess.Popen([sys.executable, "-m", "opdjax.cli", "train", *args], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        steps = [x.get("step") for x in _lines(tmp_path)] if (tmp_path / "run" / "metrics.jsonl").exists() else []
+        if steps and max(steps) >= 6:
+            break
+        time.sleep(0.1)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    summary = pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=10", "pipeline.checkpoint_every=4",
+                                  "pipeline.eval_every=0", "pipeline.resume=true"), log=lambda s: None)
+    lines = _lines(tmp_path)
+    assert [x["step"] for x in lines if "loss" in x] == list(range(1, 11))
+    assert [x["step"] for x in lines if "loss" not in x] == [0]  # the initial evaluation, once, as step 0
+    assert summary["steps"] == 10
