@@ -128,3 +128,16 @@ def test_mesh_shapes_and_lengths_are_checked_before_any_model_is_built(capsys, t
         assert main(["train", *base, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0], err
+
+
+def test_a_prompt_longer_than_the_model_is_refused_with_its_line(capsys, tmp_path, pair):
+    """Issue 16 row 7: a 1 MB prompt is refused up front (file:line), not an out-of-memory trace minutes later."""
+    import json
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "1+2=", "split": "train"}) + "\n" +
+                 json.dumps({"prompt": "7" * (1 << 20), "split": "heldout"}) + "\n")
+    argv = ["train", f"student={pair[0]}", f"teacher={pair[1]}", f"prompts={f}", f"pipeline.out_dir={tmp_path}/r"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{f}:2: a prompt of" in err[0], err

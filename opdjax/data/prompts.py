@@ -45,7 +45,9 @@ def sft_batch(tokenizer, examples: Sequence[Example], length: int | None = None)
 class PromptStream:
     """An endless, resumable stream of training prompts: epoch e is a fixed shuffle of the train split.
 
-    `position` (examples consumed so far) is all the state a checkpoint needs to resume the stream exactly.
+    A task with a finite train split (a JSONL file: `split_rows`) streams every one of its rows; a generated task
+    streams a pool of `pool_size` examples. `position` (examples consumed so far) is all the state a checkpoint
+    needs to resume the stream exactly.
     """
 
     task: Task
@@ -54,7 +56,16 @@ class PromptStream:
     position: int = 0
 
     def __post_init__(self):
-        self._pool = self.task.examples(self.pool_size, self.seed, "train")
+        rows = getattr(self.task, "split_rows", None)
+        self._pool = list(rows("train")) if rows is not None else self.task.examples(self.pool_size, self.seed,
+                                                                                      "train")
+        if not self._pool:
+            self.task.examples(1, self.seed, "train")  # the task's own error naming the empty split
+
+    @property
+    def size(self) -> int:
+        """Distinct training prompts in one epoch."""
+        return len(self._pool)
 
     def _order(self, epoch: int) -> np.ndarray:
         if getattr(self, "_epoch", None) != epoch:

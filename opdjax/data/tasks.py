@@ -37,6 +37,8 @@ from typing import Any, Callable, ClassVar, Iterable, Protocol, runtime_checkabl
 
 import numpy as np
 
+from opdjax.core.errors import InputError
+
 SPLITS = ("train", "heldout")
 HELDOUT_FRACTION = 0.1
 
@@ -80,16 +82,24 @@ def register_task(name: str):
     return deco
 
 
+class TaskError(InputError):
+    """A task that cannot be built: an unknown name or option, a prompts file that is missing or malformed."""
+
+
+class TaskFileNotFound(TaskError, FileNotFoundError):
+    """The prompts file does not exist."""
+
+
 def get_task(name: str, **options) -> Task:
     """Build a registered task; unknown names or options raise ValueError listing what is valid."""
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(sorted(TASKS))}")
+        raise TaskError(f"unknown task {name!r}; registered tasks: {', '.join(sorted(TASKS))}")
     cls = TASKS[name]
     if dataclasses.is_dataclass(cls):
         valid = [f.name for f in dataclasses.fields(cls) if f.init]
         bad = sorted(set(options) - set(valid))
         if bad:
-            raise ValueError(f"task {name!r} has no option(s) {bad}; valid options: {valid}")
+            raise TaskError(f"task {name!r} has no option(s) {bad}; valid options: {valid}")
     return cls(**options)
 
 
@@ -321,7 +331,8 @@ class JsonlTask:
         if n == 0:
             return []
         if not pool:
-            raise ValueError(f"{self.path}: split {split!r} has no rows (of {len(self.rows)})")
+            raise TaskError(f"{self.path}: split {split!r} has no rows (of {len(self.rows)}); mark some rows with "
+                            f"\"split\": \"{split}\" (rows without one are held out by a hash of the prompt, ~10%)")
         rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, SPLITS.index(split)])
         out: list[Example] = []
         while len(out) < n:
@@ -334,40 +345,46 @@ class JsonlTask:
 
 
 def _load_jsonl(path: str, prompt_key: str, answer_key: str) -> tuple[Example, ...]:
+    """Every row of the file (TaskError naming file:line for a bad one, including bytes that are not UTF-8)."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"JSONL task file not found: {path}")
+        raise TaskFileNotFound(f"JSONL task file not found: {path}")
     rows: list[Example] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TaskError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                f"{e.start + 1})") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+                raise TaskError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+                raise TaskError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             if prompt_key not in obj:
-                raise ValueError(f"{path}:{lineno}: missing prompt key {prompt_key!r}; keys present: {sorted(obj)}")
+                raise TaskError(f"{path}:{lineno}: missing prompt key {prompt_key!r}; keys present: {sorted(obj)}")
             prompt = obj[prompt_key]
             if not isinstance(prompt, str):
-                raise ValueError(f"{path}:{lineno}: {prompt_key!r} must be a string, got {type(prompt).__name__}")
+                raise TaskError(f"{path}:{lineno}: {prompt_key!r} must be a string, got {type(prompt).__name__}")
             answer = obj.get(answer_key)
             if answer is not None and not isinstance(answer, str):
                 if isinstance(answer, (dict, list)):
-                    raise ValueError(f"{path}:{lineno}: {answer_key!r} must be a string or number, got {answer!r}")
+                    raise TaskError(f"{path}:{lineno}: {answer_key!r} must be a string or number, got {answer!r}")
                 answer = str(answer)
             if "split" in obj:
                 split = obj["split"]
                 if split not in SPLITS:
-                    raise ValueError(f"{path}:{lineno}: 'split' must be one of {SPLITS}, got {split!r}")
+                    raise TaskError(f"{path}:{lineno}: 'split' must be one of {SPLITS}, got {split!r}")
             else:
                 split = split_of(prompt)
             meta = {k: v for k, v in obj.items() if k not in (prompt_key, answer_key)}
             meta.update(split=split, line=lineno)
             rows.append(Example(prompt=prompt, answer=answer, meta=meta))
     if not rows:
-        raise ValueError(f"{path}: no rows (file is empty)")
+        raise TaskError(f"{path}: no rows (the file is empty)")
     return tuple(rows)
 
 

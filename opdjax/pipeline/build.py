@@ -124,6 +124,24 @@ def make_teacher(cfg: TrainConfig, teacher_path: str, mesh: Mesh) -> Teacher:
                                       temperature=cfg.teacher.temperature)
 
 
+def check_lengths(cfg: TrainConfig, task, tokenizer, positions: int) -> None:
+    """Prompt + rollout.max_new_tokens must fit the student's positions: checked for max_new_tokens alone, and for
+    every row of a task read from a file (ConfigError naming the file and line of the first row that does not)."""
+    n = cfg.rollout.max_new_tokens
+    if n >= positions:
+        raise ConfigError(f"rollout.max_new_tokens={n} leaves no room for a prompt: the student has {positions} "
+                          f"positions (prompt + completion must fit)")
+    rows = getattr(task, "rows", None)
+    if rows:
+        lens = [len(ids) for ids in tokenizer([ex.prompt for ex in rows], add_special_tokens=False).input_ids]
+        too_long = [(ln, ex) for ln, ex in zip(lens, rows) if ln + n > positions]
+        if too_long:
+            ln, ex = too_long[0]
+            raise ConfigError(f"{getattr(task, 'path', 'prompts')}:{ex.meta.get('line', '?')}: a prompt of {ln} "
+                              f"tokens + rollout.max_new_tokens={n} exceeds the student's {positions} positions "
+                              f"({len(too_long)} row(s) do); shorten them or lower rollout.max_new_tokens")
+
+
 def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True) -> Run:
     """Everything a run needs; `with_teacher=False` skips loading the teacher (probes only rescore the student).
 
@@ -141,10 +159,7 @@ def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True) -> Run:
         teacher_tok = None
     student_cfg = ModelConfig.from_dir(student_path)
     check_same_vocab(student_cfg, ModelConfig.from_dir(teacher_path), tokenizer, teacher_tok)
-    if cfg.rollout.max_new_tokens >= student_cfg.max_position_embeddings:
-        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt: the "
-                          f"student has {student_cfg.max_position_embeddings} positions (prompt + completion must "
-                          f"fit)")
+    check_lengths(cfg, task, tokenizer, student_cfg.max_position_embeddings)
     st = cfg.student
     graphdef, params = hf.load_state(student_path, student_cfg, param_dtype=st.dtype, dtype=st.compute_dtype,
                                      attention=st.attention, remat=st.remat)

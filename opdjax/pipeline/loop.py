@@ -141,6 +141,8 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
     ckpt_dir = run.out_dir / "checkpoints"
     state = run.learner.init(run.params)
     stream = PromptStream(run.task, seed=cfg.seed)
+    log(f"prompts: {stream.size} distinct training prompts per epoch ({cfg.task.name}), "
+        f"{cfg.pipeline.eval_prompts} held-out prompts per evaluation")
     start, dropped, initial_eval = 0, 0, None
     if not pc.resume and ckpt_dir.exists() and jax.process_index() == 0:
         shutil.rmtree(ckpt_dir)  # pipeline.overwrite=true: the old run's checkpoints go (resume=true continues them)

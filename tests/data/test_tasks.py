@@ -158,3 +158,28 @@ def test_jsonl_empty_split_is_an_error(tmp_path):
     p = _write(tmp_path / "d.jsonl", ['{"prompt": "a", "split": "train"}'])
     with pytest.raises(ValueError, match="heldout"):
         JsonlTask(p).examples(1, seed=0, split="heldout")
+
+
+def test_prompt_files_are_used_whole_and_bad_rows_name_file_and_line(tmp_path):
+    """Issue 16 rows 5 and 9: every training row of a large file is streamed (no silent 4,096 cap); an empty
+    file, a non-JSON line, a missing prompt and non-UTF-8 bytes are TaskErrors naming file:line."""
+    import json as _json
+
+    from opdjax.core.errors import InputError
+    from opdjax.data.prompts import PromptStream
+    from opdjax.data.tasks import TaskError, get_task
+
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(_json.dumps({"prompt": f"q{i}", "split": "train" if i % 10 else "heldout"}) + "\n"
+                           for i in range(9002)))
+    stream = PromptStream(get_task("jsonl", path=str(big)), seed=0)
+    assert stream.size == 9002 - 901
+    assert len({ex.prompt for ex in stream.next(stream.size)}) == stream.size  # one epoch: each row once
+    cases = {"empty.jsonl": (b"", "no rows"), "nojson.jsonl": (b'{"prompt": "a"}\nnot json\n', ":2: invalid JSON"),
+             "noprompt.jsonl": (b'{"question": "a"}\n', ":1: missing prompt key"),
+             "latin1.jsonl": (b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n', ":2: not UTF-8")}
+    for name, (data, words) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(TaskError, match=words) as e:
+            get_task("jsonl", path=str(tmp_path / name))
+        assert isinstance(e.value, InputError) and name in str(e.value)
