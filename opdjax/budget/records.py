@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from opdjax.config import _deep_update
+from opdjax.pipeline.rundir import write_text
 
 __all__ = ["AdmitRow", "Point", "noise_point", "ProbeResult", "RunResult", "json_default", "write_json"]
 
@@ -40,9 +41,7 @@ def write_json(path: str | pathlib.Path, obj: Any) -> None:
     """Write `obj` (a record's `to_dict()` or plain data) as indented JSON, atomically (tmp file + replace)."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=json_default) + "\n")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(obj, indent=2, default=json_default) + "\n")
 
 
 class _Record:

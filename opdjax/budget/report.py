@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
+import os
 import pathlib
 from typing import Any, Mapping, Sequence
 
 from opdjax.budget.fit import straddles
+from opdjax.pipeline.rundir import write_text
 
 __all__ = ["CSV_FIELDS", "plot", "summary_markdown", "validity_markdown", "write_csv"]
 
@@ -20,15 +23,17 @@ CSV_FIELDS = ["id", "group", "knob", "value", "m_probe", "m_probe_ci_low", "m_pr
 
 
 def write_csv(path: pathlib.Path, rows: Sequence[Mapping]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        w.writeheader()
-        for r in rows:
-            ci = r["m_probe_ci"] or [None, None]
-            sp = r["q_loss_spread"]
-            w.writerow({**{k: r.get(k) for k in CSV_FIELDS}, "m_probe_ci_low": ci[0], "m_probe_ci_high": ci[1],
-                        "q_loss_std": sp["std"], "q_loss_min": sp["min"], "q_loss_max": sp["max"],
-                        "n_seeds": len(r["seeds"])})
+    """points.csv: one row per study point (built in memory, written atomically)."""
+    f = io.StringIO(newline="")
+    w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+    w.writeheader()
+    for r in rows:
+        ci = r["m_probe_ci"] or [None, None]
+        sp = r["q_loss_spread"]
+        w.writerow({**{k: r.get(k) for k in CSV_FIELDS}, "m_probe_ci_low": ci[0], "m_probe_ci_high": ci[1],
+                    "q_loss_std": sp["std"], "q_loss_min": sp["min"], "q_loss_max": sp["max"],
+                    "n_seeds": len(r["seeds"])})
+    write_text(path, f.getvalue())
 
 
 _STYLE = {"baseline": ("k", "o"), "weight_noise": ("tab:blue", "o"), "staleness": ("tab:orange", "s"),
@@ -83,7 +88,9 @@ def plot(path: pathlib.Path, result: Mapping[str, Any]) -> None:
         ax.legend(fontsize=8, loc="best")
     fig.suptitle("Mismatch budget: quality vs mismatch (mean ± seed range; hollow = outside tolerance)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    tmp = pathlib.Path(path).with_name(f".{pathlib.Path(path).name}.tmp{pathlib.Path(path).suffix}")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
     plt.close(fig)
 
 

@@ -33,6 +33,7 @@ from opdjax.budget.io import AdmissionError, Budget
 from opdjax.core import layout
 from opdjax.models import ModelConfig
 from opdjax.pipeline.build import resolve_models
+from opdjax.pipeline.rundir import write_text
 from opdjax.rollout.vllm_settings import VllmSettingsError
 from opdjax.rollout.vllm_settings import vllm_settings as _vllm_settings
 
@@ -312,7 +313,7 @@ def write_search(result: SearchResult, budget: Budget, margin: float, out_dir: s
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"recipe": out / "recipe.json", "vllm": out / "vllm.json", "report": out / "report.json"}
-    paths["recipe"].write_text(json.dumps(result.recipe.to_dict(), indent=2) + "\n")
-    paths["vllm"].write_text(json.dumps(result.vllm, indent=2) + "\n")
-    paths["report"].write_text(json.dumps(result.report(budget, margin), indent=2, default=str) + "\n")
+    write_text(paths["recipe"], json.dumps(result.recipe.to_dict(), indent=2) + "\n")
+    write_text(paths["vllm"], json.dumps(result.vllm, indent=2) + "\n")
+    write_text(paths["report"], json.dumps(result.report(budget, margin), indent=2, default=str) + "\n")
     return {k: str(v) for k, v in paths.items()}

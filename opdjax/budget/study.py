@@ -46,14 +46,29 @@ import yaml
 
 from opdjax import quant
 from opdjax.budget import probe as probe_mod
-from opdjax.budget.fit import FITS, QUALITIES, _finite_mean, aggregate, fit_budget, monotone_q_loss
+from opdjax.budget.fit import (
+    FITS,
+    QUALITIES,
+    _finite_mean,
+    aggregate,
+    fit_budget,
+    monotone_q_loss,
+)
 from opdjax.budget.io import setup_fingerprint
 from opdjax.budget.phenomena import phenomena
 from opdjax.budget.records import Point, RunResult, noise_point, write_json
 from opdjax.budget.report import plot, summary_markdown, write_csv
-from opdjax.config import ConfigError, TrainConfig, _deep_update, from_dict, load, to_dict
+from opdjax.config import (
+    ConfigError,
+    TrainConfig,
+    _deep_update,
+    from_dict,
+    load,
+    to_dict,
+)
 from opdjax.core import corrections, mismatch
 from opdjax.pipeline import loop
+from opdjax.pipeline.rundir import write_text
 
 __all__ = ["Point", "RLConfig", "ShiftConfig", "StudyConfig", "load_study", "phenomena_points", "run_one", "run_study", "sweep_points", "train_mismatch"]
 
@@ -331,7 +346,7 @@ def run_study(study: StudyConfig, log: Log = print) -> dict[str, Any]:
     t_start = time.time()
     root = pathlib.Path(study.out_dir)
     root.mkdir(parents=True, exist_ok=True)
-    (root / "study_config.yaml").write_text(yaml.safe_dump(to_dict(study), sort_keys=False))
+    write_text(root / "study_config.yaml", yaml.safe_dump(to_dict(study), sort_keys=False))
     sweep, extra = sweep_points(study), phenomena_points(study)
     todo = [(p, s) for p in sweep + extra for s in study.seeds]
     log(f"study: {len(sweep)} sweep points + {len(extra)} phenomena points x {len(study.seeds)} seeds "
@@ -385,7 +400,7 @@ def run_study(study: StudyConfig, log: Log = print) -> dict[str, Any]:
     write_json(root / "budget.json", out)
     write_csv(root / "points.csv", rows)
     plot(root / "budget.png", out)
-    (root / "summary.md").write_text(summary_markdown(out))
+    write_text(root / "summary.md", summary_markdown(out))
     log(f"budget B = {budget:.4g} ({study.metric}); wrote {root / 'budget.json'}, points.csv, budget.png, summary.md "
         f"({time.time() - t_start:.0f}s this invocation, {compute:.0f}s of runs in all)")
     return out

@@ -11,8 +11,15 @@ import sys
 
 from opdjax import quant
 from opdjax.budget.admit import admit, candidate_config, exit_code, format_admit_table
-from opdjax.budget.io import AdmissionError, Budget, calibration_warning, load_budget, setup_fingerprint
+from opdjax.budget.io import (
+    AdmissionError,
+    Budget,
+    calibration_warning,
+    load_budget,
+    setup_fingerprint,
+)
 from opdjax.budget.probe import calibrate_kv
+from opdjax.budget.records import write_json
 from opdjax.budget.search import (
     BY_CHOICES,
     capacity_report,
@@ -53,8 +60,8 @@ def _cmd_admit(args) -> int:
     if args.out:
         p = pathlib.Path(args.out)
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps({"budget": dataclasses.asdict(budget), "all_admitted": exit_code(rows) == 0,
-                                 "candidates": [r.to_dict() for r in rows]}, indent=2) + "\n")
+        write_json(p, {"budget": dataclasses.asdict(budget), "all_admitted": exit_code(rows) == 0,
+                       "candidates": [r.to_dict() for r in rows]})
         print(f"wrote {p}")
     return exit_code(rows)
 
@@ -75,7 +82,7 @@ def _cmd_sensitivity(args) -> int:
     if args.out:
         p = pathlib.Path(args.out)
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(rep, indent=2) + "\n")
+        write_json(p, rep)
         print(f"wrote {p}")
     return 0
 
@@ -105,7 +112,7 @@ def _cmd_capacity(args) -> int:
     rep = capacity_report(mcfg, recipe, args.memory_gb * (1 << 30))
     print(format_capacity(rep, args.model))
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(rep, indent=2) + "\n")
+        write_json(args.out, rep)
     return 0
 
 

@@ -68,6 +68,7 @@ class Run:
 def resolve_models(cfg: TrainConfig, log=print) -> tuple[str, str]:
     """Student and teacher directories; "builtin" ones are prepared on the task (once, then cached)."""
     student, teacher = cfg.student.path, cfg.teacher.path
+    _check_dirs(student, teacher)  # a mistyped directory is reported before a built-in pair is trained
     if "builtin" in (student, teacher):
         if cfg.task.name == "jsonl":
             raise ConfigError("student/teacher 'builtin' are trained on a built-in task; with prompts=FILE.jsonl "
@@ -75,11 +76,15 @@ def resolve_models(cfg: TrainConfig, log=print) -> tuple[str, str]:
         meta = prepare_builtin(cfg.task, cfg.prepare, log=log)
         student = meta["student"] if student == "builtin" else student
         teacher = meta["teacher"] if teacher == "builtin" else teacher
+    _check_dirs(student, teacher)
+    return student, teacher
+
+
+def _check_dirs(student: str, teacher: str) -> None:
     for role, path in (("student", student), ("teacher", teacher)):
-        if not pathlib.Path(path).is_dir():
+        if path != "builtin" and not pathlib.Path(path).is_dir():
             raise ConfigError(f"{role}={path!r}: no such directory (expected a Hugging Face model directory with "
                               f"config.json and *.safetensors, or 'builtin'); nothing is downloaded")
-    return student, teacher
 
 
 def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, params, tokenizer) -> RolloutEngine:
