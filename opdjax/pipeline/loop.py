@@ -144,8 +144,10 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
     log(f"prompts: {stream.size} distinct training prompts per epoch ({cfg.task.name}), "
         f"{cfg.pipeline.eval_prompts} held-out prompts per evaluation")
     start, dropped, initial_eval = 0, 0, None
-    if not pc.resume and ckpt_dir.exists() and jax.process_index() == 0:
-        shutil.rmtree(ckpt_dir)  # pipeline.overwrite=true: the old run's checkpoints go (resume=true continues them)
+    if not pc.resume and jax.process_index() == 0:  # pipeline.overwrite=true: the old run goes as a whole
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        shutil.rmtree(run.out_dir / "student_final", ignore_errors=True)
+        (run.out_dir / "summary.json").unlink(missing_ok=True)
     barrier("opdjax-fresh-run-dir")
     saved = None  # the step of the newest checkpoint (tracked here, not re-read: processes must agree on it)
     if pc.resume and agree(latest_step(ckpt_dir) is not None):
