@@ -334,7 +334,10 @@ def _coerce(path: str, value: Any, tp) -> Any:
     elif tp is float:
         x = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            x = float(value)
+            try:
+                x = float(value)
+            except OverflowError:  # an int beyond the float range (10**400)
+                x = math.inf
         elif isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
             try:
                 x = float(value)

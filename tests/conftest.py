@@ -11,6 +11,13 @@ import pathlib  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Fuzz tests draw the same examples on every run (a red CI is a change, never a dice roll); explore new ones locally
+# with HYPOTHESIS_PROFILE=explore.
+settings.register_profile("ci", derandomize=True, max_examples=300)
+settings.register_profile("explore", max_examples=5000, derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 _CACHE = pathlib.Path(os.environ.get("OPDJAX_JAX_CACHE", pathlib.Path(__file__).resolve().parents[1] / ".jax_cache"))
 jax.config.update("jax_compilation_cache_dir", str(_CACHE))
