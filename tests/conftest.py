@@ -20,6 +20,7 @@ settings.register_profile("explore", max_examples=5000, derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 _CACHE = pathlib.Path(os.environ.get("OPDJAX_JAX_CACHE", pathlib.Path(__file__).resolve().parents[1] / ".jax_cache"))
+os.environ["OPDJAX_JAX_CACHE"] = str(_CACHE)  # `opdjax` processes the tests start share the same cache
 jax.config.update("jax_compilation_cache_dir", str(_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
