@@ -299,9 +299,13 @@ def test_cache_amax_matches_transformers_kv_cache(pair):
     np.testing.assert_allclose(ours, ref, rtol=1e-4)
 
 
-def test_calibrated_kv_scales_cut_the_fp8_kv_mismatch(pair):
-    """Calibrated per-layer scales give a lower FP8-KV mismatch than vLLM's fixed scale 1.0 on random tiny models
-    (their K/V are small, so scale 1.0 puts them among e4m3's subnormals)."""
+def test_calibrated_kv_scales_are_probed_as_a_recipe(pair):
+    """kv_amax -> calibrate_kv -> a recipe with per-layer KV scales, probed like any other FP8-KV recipe.
+
+    Whether calibration lowers M depends on the model: it helps where K/V fall among e4m3's subnormals under vLLM's
+    fixed scale 1.0 (`tests/quant/test_quant.py::test_calibrated_kv_scales_keep_small_values_out_of_the_subnormals`).
+    This random tiny pair's K/V reach 3.5 and 0.6, where e4m3's relative precision is the same at any scale, and
+    the two M differ by sampling noise only (8.4e-6 vs 8.7e-6, either order by seed), so no order is asserted."""
     from opdjax.budget.probe import kv_amax, probe
 
     glob = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
@@ -314,8 +318,8 @@ def test_calibrated_kv_scales_cut_the_fp8_kv_mismatch(pair):
     kv = search.Unit(search.KV, kv=True)
     fixed = search._probe_recipe(cfg, search.unit_recipe(kv), probe, batches=2, metric="k3", seed=0)
     cal = search._probe_recipe(cfg, search.unit_recipe(kv, kv_scales=scales), probe, batches=2, metric="k3",
-                                  seed=0)
-    assert 0 < cal.m < fixed.m
+                               seed=0)
+    assert 0 < cal.m < 1e-3 and 0 < fixed.m < 1e-3 and cal.m != fixed.m  # both quantize, differently
 
 
 # ------------------------------------------------------------------------------------------------------ calibration

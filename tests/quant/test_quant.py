@@ -398,6 +398,15 @@ def test_forward_quant_hashable_and_usable_inside_jit():
         np.testing.assert_array_equal(Q.forward_quant(name).act("model.layers.0.mlp.up_proj", x), x)
 
 
+def test_calibrated_kv_scales_keep_small_values_out_of_the_subnormals():
+    """K/V with amax 0.005 sit among e4m3's subnormals (below 2**-6) under vLLM's fixed scale 1.0; the calibrated
+    scale amax / 448 maps them onto the normal range, so the round trip loses far less."""
+    v = np.asarray(jax.random.normal(jax.random.key(11), (2, 8, 2, 16))) * 0.0015
+    (scale, _), = Q.calibrate_kv_scales([[np.abs(v).max(), 1.0]])
+    mse = lambda s: float(np.mean((np.asarray(Q.qdq(jnp.asarray(v), "e4m3", scale=s)) - v) ** 2))  # noqa: E731
+    assert mse(scale) < 0.01 * mse(1.0)
+
+
 def test_kv_hook_fixed_dynamic_and_calibrated_scales():
     k = jax.random.normal(jax.random.key(10), (2, 3, 2, 16)) * 4  # [B, T, K, H]
     fixed = Q.forward_quant("fp8_w8a8_kv")
