@@ -62,6 +62,20 @@ def _recv_status(sock: socket.socket, what: str) -> dict:
     return json.loads(_recv_exact(sock, n, what))
 
 
+def _drain(sock: socket.socket, limit: int, seconds: float) -> None:
+    """Read and discard until the peer closes, `limit` bytes have come, or `seconds` have passed."""
+    deadline, buf = time.monotonic() + seconds, bytearray(SLICE)
+    while limit > 0:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        sock.settimeout(left)
+        k = sock.recv_into(buf, min(len(buf), limit))
+        if k == 0:
+            return
+        limit -= k
+
+
 def _mac(token: str | bytes, nonce: bytes) -> bytes:
     key = token.encode() if isinstance(token, str) else bytes(token)
     return hmac.new(key, nonce, hashlib.sha256).digest()
@@ -204,11 +218,20 @@ class TcpReceiverServer:
     def __exit__(self, *exc):
         self.stop()
 
-    def _refuse(self, conn: socket.socket, peer, msg: str) -> None:
+    def _refuse(self, conn: socket.socket, peer, msg: str, *, unread: int = MAX_MANIFEST,
+                within: float | None = None) -> None:
+        """Log the refusal and tell the client why, then read what it still sends (at most `unread` bytes, for at
+        most `within` seconds; the handshake timeout by default) before the connection closes.
+
+        Closing a socket with unread bytes makes the kernel answer with a reset, and a client still sending then
+        sees "connection reset" instead of the reason; draining lets it finish sending and read the status.
+        """
         self.refusals.append(msg)
         log.warning("tcp receiver: refused %s: %s", peer, msg)
         try:
             _send_status(conn, ok=False, error=msg, version=self.receiver.version)
+            conn.shutdown(socket.SHUT_WR)
+            _drain(conn, unread, self.handshake_timeout if within is None else within)
         except OSError:
             pass
 
@@ -282,7 +305,7 @@ class TcpReceiverServer:
         except BridgeError as e:
             msg = f"v{manifest.version}: {e}; engine keeps serving v{self.receiver.version}"
             self.receiver.refusals.append(msg)
-            self._refuse(conn, peer, msg)
+            self._refuse(conn, peer, msg, unread=manifest.total_bytes + MAX_MANIFEST, within=self.timeout)
             return
         t1 = time.perf_counter()
         try:

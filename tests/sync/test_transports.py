@@ -325,3 +325,17 @@ def test_receiver_restart_mid_transfer_fails_clearly_and_republish_works(cfg, pa
 def test_tcp_server_requires_a_token(rx):
     with pytest.raises(ValueError, match="token"):
         TcpReceiverServer(rx[1], "")
+
+
+def test_a_refusal_mid_stream_reaches_a_client_that_is_still_sending(cfg, params, rx):
+    """The server refuses at the first corrupt tensor while the client still has most of the payload to send; it
+    drains the rest, so the client reads the reason instead of a connection reset (found flaky in CI)."""
+    target, receiver = rx
+    m, arrays = prepare(cfg, params[1], 1, dtype="bfloat16")
+    bad = [np.array(a, copy=True) for a in arrays]
+    bad[0].view(np.uint16)[0] ^= 1
+    with TcpReceiverServer(receiver, TOKEN) as srv:
+        for _ in range(10):
+            with pytest.raises(BridgeError, match="crc32 mismatch"):
+                TcpTransport(srv.host, srv.port, TOKEN).send(m, bad)
+    assert target.applied == []
