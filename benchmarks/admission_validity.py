@@ -70,7 +70,9 @@ def candidate_point(text: str) -> Point:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", required=True, help="budget.json written by `opdjax study`")
-    ap.add_argument("--batches", type=int, default=4, help="probe batches per candidate (as `opdjax admit`)")
+    ap.add_argument("--risk", type=float, default=0.05, help="the sequential probe's risk (as `opdjax admit`)")
+    ap.add_argument("--max-batches", type=int, default=None,
+                    help="the sequential probe's cap (as `opdjax admit`; default: its default)")
     ap.add_argument("candidates", nargs="*", default=None)
     args = ap.parse_args(argv)
     log = lambda m: print(m, flush=True)  # noqa: E731
@@ -87,8 +89,8 @@ def main(argv=None) -> int:
 
     # 1. The probe verdicts, exactly as `opdjax admit --budget ... CANDIDATES` computes them (one process).
     t0 = time.time()
-    admit_rows = admit.admit(candidates, budget, overrides=_base_overrides(study), batches=args.batches,
-                                 log=log)
+    admit_rows = admit.admit(candidates, budget, overrides=_base_overrides(study), risk=args.risk,
+                             max_batches=args.max_batches, log=log)
     admit_wall = time.time() - t0
     # 2. The full-run verdicts: every study seed, as the study trains its points.
     rows = []
@@ -103,6 +105,7 @@ def main(argv=None) -> int:
         q = float(sum(losses) / len(losses))
         should = q <= bj["delta"]
         rows.append({"candidate": c, "m": a.m, "ci": [a.ci_low, a.ci_high], "verdict": a.verdict,
+                     "batches": a.batches, "reason": a.reason,
                      "probe_seconds": a.seconds, "reverse_kl_seeds": [r.reverse_kl for r in recs],
                      "accuracy_seeds": [r.accuracy for r in recs], "q_loss": q, "q_loss_seeds": losses,
                      "m_train": fit._finite_mean(r.m_train_k3 for r in recs),

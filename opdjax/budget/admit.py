@@ -7,11 +7,17 @@ Commands (registered by `add_admission_commands`):
     opdjax recipe-search --budget budget.json [--margin 0.8]  greedy FP8 recipe that fits the budget
     opdjax capacity --model DIR|PRESET --memory-gb 80 [--recipe NAME|FILE]   KV tokens that fit, BF16 vs recipe
 
-Verdict (M = the budget's metric measured by `opdjax.probe.probe`, [lo, hi] its 95% bootstrap CI over sequences):
+Verdict (M = the budget's metric, measured by the sequential probe `opdjax.budget.probe.probe_sequential`: it
+samples batch by batch and, after each, computes one-sided bounds [lo, hi] on M whose error rates hold under that
+optional stopping (alpha spending over looks, `opdjax.budget.sequential`); `--risk` is the chance of a false ADMIT,
+and separately of a false REJECT):
 
     ADMIT      hi <= B          (the whole interval is inside the budget)
     REJECT     lo >  B          (the whole interval is outside)
-    UNCERTAIN  otherwise        (probe more batches, or treat as not admitted: `admit` exits 1)
+    UNCERTAIN  otherwise, once `--max-batches` batches are in (treat as not admitted: `admit` exits 1)
+
+A candidate far from B stops after its first batch; one near B samples up to the cap. Each verdict comes with one
+line saying why (M, bounds, B, batches).
 
 A CANDIDATE is a comma-separated list of config overrides, split only at top-level commas so that mapping values
 stay whole: `rollout.recipe=fp8_w8a8_kv`, `rollout.weight_noise=0.05,rollout.stale_versions=1`,
@@ -27,6 +33,7 @@ from typing import Any, Callable, Sequence
 from opdjax.budget import probe as probe_mod
 from opdjax.budget.io import AdmissionError, Budget
 from opdjax.budget.records import AdmitRow
+from opdjax.budget.sequential import explain
 from opdjax.config import TrainConfig, load
 
 __all__ = ["VERDICTS", "verdict", "split_candidate", "candidate_config", "admit", "exit_code", "format_admit_table"]
@@ -85,26 +92,36 @@ def candidate_config(config: str | None, overrides: Sequence[str], candidate: Se
     return load(TrainConfig, config, [*overrides, *candidate])  # a recipe file is read by quant.as_recipe
 
 
-ProbeFn = Callable[..., Any]  # probe(cfg, *, batches, metric, seed, log) -> ProbeResult-like
+ProbeFn = Callable[..., Any]  # probe(cfg, budget, *, metric, risk, max_batches, seed, log) -> ProbeResult-like
 
 
 def admit(candidates: Sequence[str], budget: Budget, *, config: str | None = None, overrides: Sequence[str] = (),
-          probe_fn: ProbeFn | None = None, batches: int = 4, seed: int = 0, log=print) -> list[AdmitRow]:
-    """Probe each candidate (a comma-separated override string) and judge it against `budget`.
+          probe_fn: ProbeFn | None = None, risk: float = 0.05, max_batches: int | None = None, seed: int = 0,
+          log=print) -> list[AdmitRow]:
+    """Probe each candidate (a comma-separated override string) sequentially and judge it against `budget`.
 
-    Every candidate is parsed and its config validated before the first probe, so a typo fails fast.
+    Every candidate is parsed and its config validated, and `risk` and `max_batches` checked, before the first
+    probe, so a typo fails fast. max_batches None: `probe.DEFAULT_MAX_BATCHES`.
     """
-    probe_fn = probe_fn or probe_mod.probe
+    probe_fn = probe_fn or probe_mod.probe_sequential
+    max_batches = probe_mod.DEFAULT_MAX_BATCHES if max_batches is None else max_batches
+    if not 0 < risk < 0.5:
+        raise AdmissionError(f"--risk must be in (0, 0.5) (the chance of a false ADMIT), got {risk!r}")
+    if not isinstance(max_batches, int) or max_batches < 1:
+        raise AdmissionError(f"--max-batches must be an integer >= 1, got {max_batches!r}")
     parsed = [(c, split_candidate(c)) for c in candidates]
     cfgs = [candidate_config(config, overrides, parts) for _, parts in parsed]
     rows = []
     for (text, parts), cfg in zip(parsed, cfgs):
         log(f"probing {text} ...")
-        r = probe_fn(cfg, batches=batches, metric=budget.metric, seed=seed, log=lambda s: None)
+        r = probe_fn(cfg, budget.budget, metric=budget.metric, risk=risk, max_batches=max_batches, seed=seed,
+                     log=lambda s: None)
+        v = verdict(r.ci_low, r.ci_high, budget.budget)
         rows.append(AdmitRow(candidate=text, overrides=parts, metric=r.metric, m=float(r.m), ci_low=float(r.ci_low),
-                             ci_high=float(r.ci_high), budget=budget.budget,
-                             verdict=verdict(r.ci_low, r.ci_high, budget.budget), seconds=float(r.seconds),
-                             tokens=int(r.tokens), metrics=dict(r.metrics)))
+                             ci_high=float(r.ci_high), budget=budget.budget, verdict=v, seconds=float(r.seconds),
+                             tokens=int(r.tokens), metrics=dict(r.metrics), batches=int(r.batches), risk=risk,
+                             reason=r.reason or explain(v, r.m, r.ci_low, r.ci_high, budget.budget, r.batches,
+                                                        max_batches, risk)))
     return rows
 
 
@@ -114,14 +131,18 @@ def exit_code(rows: Sequence[AdmitRow]) -> int:
 
 
 def format_admit_table(rows: Sequence[AdmitRow], budget: Budget | None = None) -> str:
+    """The verdict table, then one line per candidate saying why."""
     w = max([len("candidate")] + [len(r.candidate) for r in rows])
     metric = rows[0].metric if rows else (budget.metric if budget else "M")
-    head = f"{'candidate':<{w}}  {metric:>10}  {'95% CI':>23}  {'verdict':>9}  {'tokens':>6}  {'sec':>6}"
+    head = (f"{'candidate':<{w}}  {metric:>10}  {'bounds':>23}  {'verdict':>9}  {'batches':>7}  {'tokens':>6}  "
+            f"{'sec':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         ci = f"[{r.ci_low:.3e}, {r.ci_high:.3e}]"
-        lines.append(f"{r.candidate:<{w}}  {r.m:>10.3e}  {ci:>23}  {r.verdict:>9}  {r.tokens:>6d}  {r.seconds:>6.1f}")
+        lines.append(f"{r.candidate:<{w}}  {r.m:>10.3e}  {ci:>23}  {r.verdict:>9}  {r.batches:>7d}  {r.tokens:>6d}  "
+                     f"{r.seconds:>6.1f}")
     if budget is not None:
         lines.append(f"budget B = {budget.budget:.3e} ({budget.metric}"
                      + (f", delta {budget.delta:g}" if budget.delta is not None else "") + ")")
+    lines += ["", "why:"] + [f"  {r.candidate}: {r.verdict}: {r.reason}" for r in rows] if rows else []
     return "\n".join(lines)

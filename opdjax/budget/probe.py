@@ -15,16 +15,18 @@ any caller with its own engine and learner use it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from opdjax import quant
+from opdjax.budget import sequential
 from opdjax.budget.records import ProbeResult
 from opdjax.config import TrainConfig
 from opdjax.core import mismatch
@@ -34,8 +36,10 @@ from opdjax.pipeline.build import build
 from opdjax.pipeline.steps import generate, learner_batch, publish
 from opdjax.rollout import RolloutBatch
 
-__all__ = ["Rescored", "bootstrap_ci", "cache_amax", "calibrate_kv", "kv_amax", "per_sequence_terms", "probe",
-           "rescore"]
+__all__ = ["DEFAULT_MAX_BATCHES", "Rescored", "bootstrap_ci", "cache_amax", "calibrate_kv", "kv_amax",
+           "per_sequence_terms", "probe", "probe_sequential", "rescore"]
+
+DEFAULT_MAX_BATCHES = 6  # the sequential probe's cap: < 5% of one study point of configs/study_cpu.yaml
 
 
 def per_sequence_terms(metric: str, student_logp_BT: np.ndarray, rollout_logp_BT: np.ndarray,
@@ -92,31 +96,35 @@ class Rescored:
         lo, hi = bootstrap_ci(sums_B, counts_B, seed=seed)
         return float(sums_B.sum() / max(counts_B.sum(), 1)), lo, hi
 
+    @classmethod
+    def join(cls, parts: "Sequence[Rescored]") -> "Rescored":
+        """Rows of all `parts`, padded to the longest T (mask 0); times added, the oldest version kept."""
+        T = max(p.mask_BT.shape[1] for p in parts)
+        pad = lambda xs: np.concatenate([np.pad(x, ((0, 0), (0, T - x.shape[1]))) for x in xs])  # noqa: E731
+        return cls(pad([p.student_logp_BT for p in parts]), pad([p.rollout_logp_BT for p in parts]),
+                   pad([p.mask_BT for p in parts]), min(p.min_version for p in parts),
+                   sum(p.seconds_generate for p in parts), sum(p.seconds_rescore for p in parts))
+
 
 def rescore(sample: Callable[[int], RolloutBatch], logp: Callable[[RolloutBatch], np.ndarray],
             batches: Iterable[int]) -> Rescored:
     """The one sample -> rescore loop: for each b in `batches`, `sample(b)` a RolloutBatch with the engine and
     `logp(batch)` its tokens with the learner; rows are padded to the longest T (mask 0) and concatenated."""
-    s_all, r_all, m_all, versions = [], [], [], []
-    t_gen = t_score = 0.0
+    parts = []
     for b in batches:
         t0 = time.perf_counter()
         batch = sample(b)
         t1 = time.perf_counter()
-        s_all.append(np.asarray(logp(batch), np.float32))
-        t_score += time.perf_counter() - t1
-        t_gen += t1 - t0
-        r_all.append(batch.rollout_logp_BT.astype(np.float32))
-        m_all.append(batch.completion_mask_BT)
-        versions.append(int(np.min(batch.version_B)))
-    T = max(x.shape[1] for x in s_all)
-    pad = lambda xs: np.concatenate([np.pad(x, ((0, 0), (0, T - x.shape[1]))) for x in xs])  # noqa: E731
-    return Rescored(pad(s_all), pad(r_all), pad(m_all), min(versions), t_gen, t_score)
+        student = np.asarray(logp(batch), np.float32)
+        parts.append(Rescored(student, batch.rollout_logp_BT.astype(np.float32), batch.completion_mask_BT,
+                              int(np.min(batch.version_B)), t1 - t0, time.perf_counter() - t1))
+    return Rescored.join(parts)
 
 
-def probe(cfg: TrainConfig, *, batches: int = 4, metric: str = "k3", seed: int = 0, log=print) -> ProbeResult:
-    """Measure M for the engine configuration in `cfg.rollout` on the configured student (no training)."""
-    t0 = time.time()
+@contextlib.contextmanager
+def _session(cfg: TrainConfig, seed: int, log) -> Iterator[tuple[Callable[[Iterable[int]], Rescored], int]]:
+    """Build the candidate's engine and the learner; for staleness k, train the W + k published throwaway steps.
+    Yields (score(batches) -> Rescored of those probe batches, the learner's version)."""
     k = cfg.rollout.stale_versions
     with build(cfg, log=log, with_teacher=bool(k)) as run:
         state = run.learner.init(run.params)
@@ -131,11 +139,45 @@ def probe(cfg: TrainConfig, *, batches: int = 4, metric: str = "k3", seed: int =
                 state, _ = run.learner.train_step(state, learner_batch(run, batch, examples))
                 learner_version = i + 1
                 publish(run, state.params, learner_version)
-        res = rescore(lambda b: generate(run, stream.next(cfg.rollout.batch_size), seed=20_000 + 97 * seed + b),
-                      lambda batch: run.learner.logp(state.params, batch.tokens_BT, batch.valid_BT), range(batches))
+        yield (lambda batches: rescore(
+            lambda b: generate(run, stream.next(cfg.rollout.batch_size), seed=20_000 + 97 * seed + b),
+            lambda batch: run.learner.logp(state.params, batch.tokens_BT, batch.valid_BT), batches)), learner_version
+
+
+def probe(cfg: TrainConfig, *, batches: int = 4, metric: str = "k3", seed: int = 0, log=print) -> ProbeResult:
+    """Measure M for the engine configuration in `cfg.rollout` on the configured student (no training): `batches`
+    batches, M with its 95% bootstrap CI."""
+    t0 = time.time()
+    with _session(cfg, seed, log) as (score, learner_version):
+        res = score(range(batches))
     m, lo, hi = res.estimate(metric, seed)
     return ProbeResult(metric=metric, m=m, ci_low=lo, ci_high=hi, metrics=res.metrics(), seconds=time.time() - t0,
-                       tokens=res.tokens, staleness=learner_version - res.min_version)
+                       tokens=res.tokens, staleness=learner_version - res.min_version, batches=batches)
+
+
+def probe_sequential(cfg: TrainConfig, budget: float, *, metric: str = "k3", risk: float = 0.05,
+                     max_batches: int = DEFAULT_MAX_BATCHES, seed: int = 0, log=print) -> ProbeResult:
+    """M for the engine configuration in `cfg.rollout`, sampled batch by batch until its bounds clear `budget` or
+    `max_batches` batches are in (`sequential.run_sequential`: P(false ADMIT) and P(false REJECT) each < `risk`).
+
+    The batches are the fixed probe's (same prompts and seeds, in order); ci_low/ci_high are the last look's
+    one-sided bounds (each at that look's share of `risk`), and `reason` says why the probe stopped.
+    """
+    t0 = time.time()
+    per_sequence_terms(metric, np.zeros((0, 0)), np.zeros((0, 0)), np.zeros((0, 0)))  # an unknown metric fails here
+    parts: list[Rescored] = []
+
+    def next_batch(b: int) -> tuple[np.ndarray, np.ndarray]:
+        parts.append(score([b]))
+        p = parts[-1]
+        return per_sequence_terms(metric, p.student_logp_BT, p.rollout_logp_BT, p.mask_BT)
+
+    with _session(cfg, seed, log) as (score, learner_version):
+        seq = sequential.run_sequential(next_batch, budget, alpha=risk, max_batches=max_batches)
+    res = Rescored.join(parts)
+    return ProbeResult(metric=metric, m=seq.m, ci_low=seq.ci_low, ci_high=seq.ci_high, metrics=res.metrics(),
+                       seconds=time.time() - t0, tokens=res.tokens, staleness=learner_version - res.min_version,
+                       batches=seq.batches, reason=seq.reason)
 
 
 def cache_amax(graphdef, params, mcfg, tokens_BT, valid_BT) -> np.ndarray:

@@ -58,8 +58,9 @@ class _Record:
 
 @dataclasses.dataclass(frozen=True)
 class ProbeResult(_Record):
-    """M = the `metric` over all probe tokens, [ci_low, ci_high] its 95% bootstrap CI over sequences, every
-    `mismatch.metrics` key in `metrics`; staleness = learner version - the version the engine sampled with."""
+    """M = the `metric` over all probe tokens, [ci_low, ci_high] its 95% bootstrap CI over sequences (the fixed
+    probe) or its last look's bounds (the sequential probe), every `mismatch.metrics` key in `metrics`;
+    staleness = learner version - the version the engine sampled with."""
 
     metric: str
     m: float
@@ -69,11 +70,14 @@ class ProbeResult(_Record):
     seconds: float
     tokens: int
     staleness: int = 0
+    batches: int = 0      # batches sampled (the sequential probe stops early)
+    reason: str = ""      # the sequential probe: why it stopped (M, bounds, B, batches)
 
 
 @dataclasses.dataclass(frozen=True)
 class AdmitRow(_Record):
-    """One candidate (a comma-separated override string) judged against the budget."""
+    """One candidate (a comma-separated override string) judged against the budget: [ci_low, ci_high] are the
+    sequential probe's bounds when it stopped."""
 
     candidate: str
     overrides: list[str]
@@ -86,6 +90,9 @@ class AdmitRow(_Record):
     seconds: float
     tokens: int
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    batches: int = 0      # probe batches this candidate needed
+    risk: float = 0.05    # the sequential probe's risk: P(false ADMIT), P(false REJECT) each below it
+    reason: str = ""      # one line: why this verdict
 
 
 @dataclasses.dataclass(frozen=True)

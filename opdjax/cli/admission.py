@@ -18,7 +18,7 @@ from opdjax.budget.io import (
     load_budget,
     setup_fingerprint,
 )
-from opdjax.budget.probe import calibrate_kv
+from opdjax.budget.probe import DEFAULT_MAX_BATCHES, calibrate_kv
 from opdjax.budget.records import write_json
 from opdjax.budget.search import (
     BY_CHOICES,
@@ -54,8 +54,8 @@ def _warn_if_other_setup(budget: Budget, cfg) -> None:
 def _cmd_admit(args) -> int:
     budget = load_budget(args.budget)
     _warn_if_other_setup(budget, candidate_config(args.config, args.set or []))
-    rows = admit(args.candidates, budget, config=args.config, overrides=args.set or [], batches=args.batches,
-                 seed=args.seed)
+    rows = admit(args.candidates, budget, config=args.config, overrides=args.set or [], risk=args.risk,
+                 max_batches=args.max_batches, seed=args.seed)
     print(format_admit_table(rows, budget))
     if args.out:
         p = pathlib.Path(args.out)
@@ -116,9 +116,11 @@ def _cmd_capacity(args) -> int:
     return 0
 
 
-def _common(p: argparse.ArgumentParser, *, overrides: bool = True) -> None:
+def _common(p: argparse.ArgumentParser, *, overrides: bool = True, batches: bool = True) -> None:
     p.add_argument("--config", default=None, help="YAML config (default: the embedded tiny_cpu defaults)")
-    p.add_argument("--batches", type=int, default=4, help="probe batches per measurement (rollout.batch_size each)")
+    if batches:
+        p.add_argument("--batches", type=int, default=4,
+                       help="probe batches per measurement (rollout.batch_size each)")
     p.add_argument("--seed", type=int, default=0, help="probe seed (same prompts and sampling noise for all)")
     if overrides:
         p.add_argument("overrides", nargs="*", help="config overrides key=value")
@@ -136,7 +138,13 @@ def add_admission_commands(subparsers) -> None:
                               description="Exit code: 0 if every candidate is ADMITted, 1 otherwise, 2 on bad "
                                           "input.")
     a.add_argument("--budget", required=True, help="budget.json written by `opdjax study`")
-    _common(a, overrides=False)
+    _common(a, overrides=False, batches=False)
+    a.add_argument("--risk", type=float, default=0.05,
+                   help="chance of a false ADMIT (and, separately, of a false REJECT) the sequential probe allows; "
+                        "smaller means more batches or more UNCERTAIN (default 0.05)")
+    a.add_argument("--max-batches", type=int, default=DEFAULT_MAX_BATCHES,
+                   help=f"cost cap: batches (rollout.batch_size each) sampled before a candidate whose bounds "
+                        f"still contain B is UNCERTAIN (default {DEFAULT_MAX_BATCHES})")
     a.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="global config override applied to every candidate (repeatable)")
     a.add_argument("--out", default=None, help="write the machine-readable report (JSON) here")

@@ -32,6 +32,8 @@ class FakeResult:
     metrics: dict
     seconds: float = 0.01
     tokens: int = 100
+    batches: int = 1
+    reason: str = ""
 
 
 MCFG = tiny_config("qwen3", "small")  # 4 layers
@@ -56,7 +58,7 @@ class FakeProbe:
         self.calls = []
         self.half_width = half_width
 
-    def __call__(self, cfg, *, batches=4, metric="k3", seed=0, log=print):
+    def __call__(self, cfg, budget=None, *, batches=4, metric="k3", seed=0, log=print, **sequential):
         self.calls.append(cfg)
         m = fake_m(cfg)
         return FakeResult(metric, m, m * (1 - self.half_width), m * (1 + self.half_width), {metric: m})
@@ -78,6 +80,7 @@ def parser():
 def run_cli(argv, monkeypatch, probe=None):
     if probe is not None:
         monkeypatch.setattr(probe_mod, "probe", probe)
+        monkeypatch.setattr(probe_mod, "probe_sequential", probe)
     args = parser().parse_args(argv)
     return args.func(args)
 
@@ -147,7 +150,11 @@ def test_admit_cli_verdicts_report_and_exit_codes(tmp_path, monkeypatch, capsys)
     assert rep["candidates"][2]["overrides"] == ["rollout.weight_noise=0.0095", "rollout.stale_versions=1"]
     assert probe.calls[2].rollout.stale_versions == 1
     assert {"candidate", "m", "ci_low", "ci_high", "verdict", "seconds"} <= set(rep["candidates"][0])
-    assert "UNCERTAIN" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "UNCERTAIN" in out_text and "batches" in out_text
+    assert "rollout.weight_noise=0.02: REJECT: M 2.000e-02" in out_text  # one line per candidate: why
+    assert "the bounds still contain B = 1.000e-02 at the cap of 6 batches" in rep["candidates"][2]["reason"]
+    assert rep["candidates"][0]["batches"] == 1 and rep["candidates"][0]["risk"] == 0.05
     assert run_cli(["admit", "--budget", budget, "rollout.weight_noise=0.001"], monkeypatch, probe) == 0
 
 
@@ -159,6 +166,10 @@ def test_admit_cli_usage_errors_exit_2(tmp_path, monkeypatch, capsys):
     assert run_cli(["admit", "--budget", budget, "rollout.wieght_noise=0.1"], monkeypatch, probe) == 2
     assert "did you mean 'rollout.weight_noise'" in capsys.readouterr().err
     assert run_cli(["admit", "--budget", budget, "rollout.recipe=fp9"], monkeypatch, probe) == 2
+    assert run_cli(["admit", "--budget", budget, "--risk", "0.7", "rollout.weight_noise=0.1"], monkeypatch, probe) == 2
+    assert "--risk must be in (0, 0.5)" in capsys.readouterr().err
+    assert run_cli(["admit", "--budget", budget, "--max-batches", "0", "rollout.weight_noise=0.1"], monkeypatch,
+                   probe) == 2
     assert probe.calls == []  # nothing probed: every candidate is validated first
 
 
@@ -269,14 +280,19 @@ def test_capacity_cli_and_bad_model(monkeypatch, capsys):
 # ------------------------------------------------------------------------------------------------------ real probe
 
 
-def test_admit_with_the_real_probe_orders_clean_below_fp8(pair, tmp_path):
+def test_admit_with_the_real_sequential_probe_stops_early_far_from_b_and_samples_to_the_cap_near_it(pair, tmp_path):
     glob = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
             "rollout.max_new_tokens=4", "pipeline.progress=false", "pipeline.tensorboard=false"]
     rows = admit.admit(["rollout.recipe=none", "rollout.recipe=fp8_w8a8_kv"], Budget("k3", 1e-6), overrides=glob,
-                           batches=2, log=lambda s: None)
+                       max_batches=6, log=lambda s: None)
     assert rows[0].verdict == "ADMIT" and rows[0].m < 1e-6
-    assert rows[1].m > rows[0].m and rows[1].verdict in ("REJECT", "UNCERTAIN")
+    assert rows[1].m > 1e-5 and rows[1].verdict == "REJECT"
+    assert rows[0].batches == rows[1].batches == 4  # the first look (32 sequences): far from B, no more sampling
     assert admit.exit_code(rows) == 1
+    near = admit.admit(["rollout.recipe=fp8_w8a8_kv"], Budget("k3", rows[1].m), overrides=glob, max_batches=6,
+                       log=lambda s: None)  # B at the candidate's own M: sampled to the cap, then UNCERTAIN
+    assert near[0].verdict == "UNCERTAIN" and near[0].batches == 6 and near[0].tokens > rows[1].tokens
+    assert near[0].ci_low < rows[1].m < near[0].ci_high and "at the cap of 6 batches" in near[0].reason
 
 
 def test_cache_amax_matches_transformers_kv_cache(pair):

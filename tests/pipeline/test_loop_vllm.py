@@ -46,6 +46,6 @@ def test_admit_probes_real_vllm_candidates(vllm_module, pair):
             "rollout.max_new_tokens=4", "pipeline.progress=false", "pipeline.tensorboard=false",
             "rollout.vllm={kv_cache_memory_bytes: 33554432, max_num_seqs: 16}"]
     rows = admit.admit(["rollout.engine=vllm", "rollout.engine=vllm,rollout.recipe=fp8_kv_only"],
-                           Budget("k3", 1e-6), overrides=glob, batches=2, log=lambda s: None)
+                       Budget("k3", 1e-6), overrides=glob, max_batches=2, log=lambda s: None)
     assert rows[0].verdict == "ADMIT" and rows[0].m < 1e-6
     assert rows[1].m > 10 * max(rows[0].m, 1e-9) and rows[1].verdict in ("REJECT", "UNCERTAIN")
