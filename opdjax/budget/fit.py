@@ -1,5 +1,10 @@
-"""Fitting the budget: per-seed quality losses, the isotonic (or first-failure) fit of B, and one point's
-aggregate over seeds.
+"""Fitting the budget: per-seed quality losses, the isotonic (or first-failure) fit of B, one point's aggregate
+over seeds, and how sure each of them is:
+
+    mean_ci          a percentile bootstrap CI of a mean over seeds (a point's quality loss)
+    runs_verdict     admit / reject / borderline: a configuration's full-run verdict from that CI and delta
+    budget_interval  B's own interval: B refitted on seeds resampled within every point (and the baseline)
+    knee_bracket     [largest M within tolerance, smallest M beyond] around B, and whether it is narrow enough
 """
 
 from __future__ import annotations
@@ -11,7 +16,10 @@ import numpy as np
 
 from opdjax.budget.records import Point, RunResult
 
-__all__ = ["FITS", "QUALITIES", "aggregate", "fit_budget", "monotone_q_loss", "quality_losses", "straddles"]
+__all__ = ["FITS", "QUALITIES", "aggregate", "budget_interval", "fit_budget", "knee_bracket", "mean_ci",
+           "monotone_q_loss", "quality_losses", "runs_verdict", "straddles"]
+
+CI_LEVEL = 0.95  # of every bootstrap interval here
 
 
 QUALITIES = ("reverse_kl", "accuracy")
@@ -139,3 +147,80 @@ def straddles(q_loss_seeds: Sequence[float], delta: float) -> bool:
     """True when some seeds' quality loss is within delta and others beyond it (a seed-decided full-run verdict)."""
     within = [q <= delta for q in q_loss_seeds]
     return any(within) and not all(within)
+
+
+def mean_ci(xs: Sequence[float], *, n: int = 2000, seed: int = 0, level: float = CI_LEVEL) -> tuple[float, float]:
+    """Percentile bootstrap CI of mean(xs), resampling the values with replacement (+inf values stay +inf: a
+    diverged seed makes every resample that draws it infinite). One value: (x, x)."""
+    a = np.asarray(xs, np.float64)
+    if a.size == 0:
+        return math.nan, math.nan
+    idx = np.random.default_rng(seed).integers(0, a.size, (n, a.size))
+    big = np.where(np.isfinite(a), a, 1e300)  # inf - inf would be NaN inside the quantile's interpolation
+    means = big[idx].mean(1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    back = lambda v: math.inf if v >= 1e299 else float(v)  # noqa: E731
+    return back(lo), back(hi)
+
+
+def runs_verdict(ci: Sequence[float], delta: float) -> str:
+    """A configuration's full-run verdict from the CI of its mean quality loss over seeds:
+    "admit" (ci_high <= delta), "reject" (ci_low > delta), "borderline" (the CI contains delta: the seeds do not
+    decide it, so it is neither agreement nor disagreement for a probe)."""
+    lo, hi = ci
+    if hi <= delta:
+        return "admit"
+    if lo > delta:
+        return "reject"
+    return "borderline"
+
+
+def budget_interval(rows: Sequence[Mapping[str, Any]], quality: str, delta: float, method: str = "isotonic", *,
+                    n: int = 1000, seed: int = 0, level: float = CI_LEVEL) -> tuple[float, float]:
+    """Percentile interval of B over bootstrap resamples of seeds.
+
+    rows: budget.json's sweep rows (`aggregate` output: "m_probe", "knob", and per-seed "reverse_kl"/"accuracy"
+    under "seeds"); the row with knob "baseline" is the baseline. Each resample draws every point's seeds with
+    replacement (the baseline's draw also sets the baseline mean), recomputes each point's mean quality loss, and
+    refits B with `fit_budget`; M stays each point's probe M.
+    """
+    key = "reverse_kl" if quality == "reverse_kl" else "accuracy"
+    vals = [np.asarray([s[key] for s in r["seeds"]], np.float64) for r in rows]
+    base = next(i for i, r in enumerate(rows) if r["knob"] == "baseline")
+    rng = np.random.default_rng(seed)
+    bs = []
+    for _ in range(n):
+        draws = [v[rng.integers(0, v.size, v.size)] for v in vals]
+        b = float(draws[base].mean())
+        pts = []
+        for r, d in zip(rows, draws):
+            q = quality_losses([{key: x} for x in d], {key: b}, quality)
+            pts.append({"m": r["m_probe"], "q_loss": float(np.mean(q))})
+        bs.append(fit_budget(pts, delta, method)[0])
+    lo, hi = np.quantile(bs, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def knee_bracket(points: Sequence[Mapping[str, Any]], budget: float, delta: float, factor: float,
+                 method: str = "isotonic") -> dict[str, Any]:
+    """The bracket around B: `within` = B (the largest M the fit keeps within delta), `beyond` = the smallest M
+    of a point above B (the fit puts it beyond delta); `ratio` = beyond / within. `resolved` iff both exist and
+    ratio <= factor; otherwise the sweep has not located the knee (an open or too wide bracket) and B is not
+    reported as a budget.
+
+    points: [{"m", "q_loss"}] as for `fit_budget`.
+    """
+    ms = sorted({float(p["m"]) for p in points if p.get("m") is not None and math.isfinite(p["m"])
+                 and p.get("q_loss") is not None})
+    beyond = next((m for m in ms if m > budget), None)
+    within = budget if budget > 0 else None
+    ratio = beyond / within if within and beyond is not None else math.inf
+    resolved = bool(within is not None and beyond is not None and ratio <= factor)
+    if within is None:
+        why = "no point with M > 0 is within tolerance"
+    elif beyond is None:
+        why = "no point beyond tolerance: the knee is above the largest M measured"
+    else:
+        why = f"beyond/within = {ratio:.3g} {'<=' if resolved else '>'} {factor:g}"
+    return {"within": within, "beyond": beyond, "ratio": ratio, "factor": float(factor), "resolved": resolved,
+            "method": method, "why": why}

@@ -62,6 +62,11 @@ def load_budget(path: str | pathlib.Path) -> Budget:
     delta = d.get("delta")
     if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float))):
         raise AdmissionError(f"budget file {p}: 'delta' must be a number, got {delta!r}")
+    if d.get("status") == "UNRESOLVED":
+        br = d.get("bracket") or {}
+        raise AdmissionError(f"budget file {p}: the study did not locate the knee ({br.get('why', 'bracket too wide')}"
+                             f"; B would be {b:.4g}), so there is no budget to admit against. Rerun `opdjax study` "
+                             f"with knee.enabled=true, or with weight-noise levels between the bracket's ends")
     on = d.get("calibrated_on")
     if on is not None and not isinstance(on, dict):
         raise AdmissionError(f"budget file {p}: 'calibrated_on' must be an object (a setup fingerprint), got {on!r}")

@@ -109,13 +109,30 @@ def _calibrated_on_lines(on: Mapping[str, Any] | None) -> list[str]:
             "probes other weights.", ""]
 
 
+def _budget_lines(result: Mapping[str, Any]) -> list[str]:
+    """The headline: B with its interval and the knee bracket, or UNRESOLVED (budget.json of earlier versions has
+    neither: B alone)."""
+    what = (f"({result['metric']} of engine vs learner on sampled tokens, measured by the admission probe) at "
+            f"tolerance delta = {result['delta']}")
+    br, iv = result.get("bracket"), result.get("budget_interval")
+    if br is None:
+        return [f"**Budget B = {result['budget']:.4g}** {what}.", ""]
+    ends = f"[{_f(br['within'], '.4g')}, {_f(br['beyond'], '.4g')}]"
+    if not br["resolved"]:
+        return [f"**Budget UNRESOLVED** {what}: the knee bracket {ends} (largest M within tolerance, smallest M "
+                f"beyond) is not narrower than a factor {br['factor']:g} ({br['why']}), so no B is reported and "
+                f"`opdjax admit` refuses this file. Rerun with `knee.enabled=true` (levels chosen from this pair) "
+                f"or with levels inside the bracket.", ""]
+    return [f"**Budget B = {result['budget']:.4g}** {what}; 95% interval over resampled seeds "
+            f"[{iv[0]:.3g}, {iv[1]:.3g}]; the knee lies in the bracket {ends} (factor {br['ratio']:.2g} ≤ "
+            f"{br['factor']:g}).", ""]
+
+
 def summary_markdown(result: Mapping[str, Any]) -> str:
     s = result["config"]["study"]
     b = result["baseline"]
     base_cfg = result["config"]["base_train_config"]
-    L = [f"# Mismatch budget study ({result['created']})", "",
-         f"**Budget B = {result['budget']:.4g}** ({result['metric']} of engine vs learner on sampled tokens, measured "
-         f"by the admission probe) at tolerance delta = {result['delta']}.", "",
+    L = [f"# Mismatch budget study ({result['created']})", "", *_budget_lines(result),
          f"Quality loss: {result['quality']}. A point is within tolerance iff its *mean* loss over seeds "
          f"({len(s['seeds'])}: {s['seeds']}) is ≤ delta. "
          + ("B is the largest M at which the isotonic (monotone non-decreasing in M) fit of the points' mean losses "
@@ -131,14 +148,16 @@ def summary_markdown(result: Mapping[str, Any]) -> str:
          f"{b['accuracy']:.3f}.", "", *_calibrated_on_lines(result.get("calibrated_on")),
          "![quality vs mismatch](budget.png)", "",
          "| point | M probe (95% CI) | M train k3 | train k1 | train abs-log-ratio p95 | final RKL | accuracy | "
-         "q_loss mean (seed min..max) | monotone fit | within delta | M ≤ B |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+         "q_loss mean (seed min..max) | q_loss 95% CI (verdict of the runs) | monotone fit | within delta | M ≤ B |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(result["points"], key=lambda r: (r["m_probe"] if r["m_probe"] is not None else -1)):
         ci = r["m_probe_ci"] or [None, None]
         sp = r["q_loss_spread"]
+        qci = r.get("q_loss_ci")
+        qv = f"[{qci[0]:+.2f}, {qci[1]:+.2f}] ({r['runs_verdict']})" if qci else "–"
         L.append(f"| {r['id']} | {_f(r['m_probe'])} ({_f(ci[0])}–{_f(ci[1])}) | {_f(r['m_train'])} | "
                  f"{_f(r['m_train_k1'])} | {_f(r['m_train_abs_log_ratio_p95'])} | {r['q_reverse_kl']:.3f} | "
-                 f"{r['q_accuracy']:.3f} | {r['q_loss']:+.3f} ({sp['min']:+.3f}..{sp['max']:+.3f}) | "
+                 f"{r['q_accuracy']:.3f} | {r['q_loss']:+.3f} ({sp['min']:+.3f}..{sp['max']:+.3f}) | {qv} | "
                  f"{_f(r.get('q_loss_monotone'), '+.3f')} | "
                  f"{'yes' if r['within_budget'] else '**no**'} | {'yes' if r['admissible'] else 'no'} |")
     ph = result.get("phenomena", {})
@@ -204,7 +223,10 @@ def summary_markdown(result: Mapping[str, Any]) -> str:
 
 
 def validity_markdown(rep: Mapping[str, Any], current_budget: float | None = None) -> str:
-    """The admission-validity table (benchmarks/admission_validity.py writes `validity.json`)."""
+    """The admission-validity table (benchmarks/admission_validity.py writes `validity.json`); files written
+    before full-run verdicts had CIs (no "runs_verdict") keep their old table."""
+    if rep["rows"] and "runs_verdict" in rep["rows"][0]:
+        return _validity_with_ci(rep, current_budget)
     L = [f"Candidates that are not study points: the probe verdict of `opdjax admit` against B = {rep['budget']:.3g} "
          f"({rep['metric']}) versus the verdict of full runs at the candidate (the study's config and seeds "
          f"{rep['seeds']}; admit iff mean q_loss ≤ delta = {rep['delta']}). UNCERTAIN counts as not admitted.", ""]
@@ -231,6 +253,41 @@ def validity_markdown(rep: Mapping[str, Any], current_budget: float | None = Non
           f"probe {rep['max_probe_seconds']:.1f} s) against {rep['mean_study_point_seconds']:.0f} s for one study "
           f"point ({len(rep['seeds'])} seeds, probe + training): **{100 * rep['probe_cost_ratio']:.1f}%** "
           "(target < 5%)."]
+    return "\n".join(L)
+
+
+def _validity_with_ci(rep: Mapping[str, Any], current_budget: float | None) -> str:
+    iv = rep.get("budget_interval")
+    L = [f"Candidates that are not study points: the sequential probe's verdict (`opdjax admit`, risk "
+         f"{rep.get('risk', 0.05):g}) against B = {rep['budget']:.3g} ({rep['metric']}"
+         + (f"; B's 95% interval over seeds [{iv[0]:.3g}, {iv[1]:.3g}]" if iv else "")
+         + f") versus full runs at the candidate (the study's config and seeds {rep['seeds']}): their mean quality "
+         f"loss with a 95% bootstrap CI over seeds is *admit* if the CI is within delta = {rep['delta']}, "
+         "*reject* if beyond it, *borderline* if it contains delta (scored neither way). UNCERTAIN counts as not "
+         "admitted.", ""]
+    if current_budget is not None and not math.isclose(current_budget, rep["budget"], rel_tol=1e-9):
+        L += [f"*Validated against B = {rep['budget']:.4g}; the study's B is now {current_budget:.4g} — rerun "
+              "`python benchmarks/admission_validity.py`.*", ""]
+    L += ["| candidate | probe M [bounds] | batches | probe verdict | full-run RKL per seed | q_loss mean [95% CI] | "
+          "full runs | agree |", "|---|---|---|---|---|---|---|---|"]
+    for r in rep["rows"]:
+        rkl = " / ".join(f"{x:.2f}" for x in r["reverse_kl_seeds"])
+        lo, hi = r["q_loss_ci"]
+        agree = "–" if r["agree"] is None else ("yes" if r["agree"] else "**no**")
+        L.append(f"| `{r['candidate']}` | {r['m']:.2e} [{r['ci'][0]:.2e}, {r['ci'][1]:.2e}] | {r['batches']} | "
+                 f"{r['verdict']} | {rkl} | {r['q_loss']:+.2f} [{lo:+.2f}, {hi:+.2f}] | {r['runs_verdict']} | "
+                 f"{agree} |")
+    nd = rep["n_decided"]
+    L += ["", f"Agreement: **{rep['agreement']}/{nd}** of the decided candidates "
+          f"({100 * rep['agreement'] / max(nd, 1):.0f}%; target ≥ 90%); borderline (not scored): "
+          f"{len(rep['borderline'])} of {rep['n']}{': ' + ', '.join(rep['borderline']) if rep['borderline'] else ''}. "
+          f"False ADMITs: {len(rep['false_admits'])}{' (' + ', '.join(rep['false_admits']) + ')' if rep['false_admits'] else ''}"
+          f" (target 0). UNCERTAIN among the decided: {len(rep['uncertain_decided'])} (target ≤ 2).", "",
+          f"Probe cost per candidate (model load, compilation and all batches; `opdjax admit` in a fresh process): "
+          f"{rep['probe_seconds_per_candidate_cold']:.1f} s cold (empty compilation cache), "
+          f"{rep['probe_seconds_per_candidate']:.1f} s warm, against {rep['mean_study_point_seconds']:.0f} s for one "
+          f"study point ({len(rep['seeds'])} seeds, probe + training): **{100 * rep['probe_cost_ratio_cold']:.1f}% "
+          f"cold, {100 * rep['probe_cost_ratio']:.1f}% warm** (target < 5%)."]
     return "\n".join(L)
 
 

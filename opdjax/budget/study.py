@@ -51,8 +51,13 @@ from opdjax.budget.fit import (
     QUALITIES,
     _finite_mean,
     aggregate,
+    budget_interval,
     fit_budget,
+    knee_bracket,
+    mean_ci,
     monotone_q_loss,
+    quality_losses,
+    runs_verdict,
 )
 from opdjax.budget.io import setup_fingerprint
 from opdjax.budget.phenomena import phenomena
@@ -70,7 +75,8 @@ from opdjax.core import corrections, mismatch
 from opdjax.pipeline import loop
 from opdjax.pipeline.rundir import write_text
 
-__all__ = ["Point", "RLConfig", "ShiftConfig", "StudyConfig", "load_study", "phenomena_points", "run_one", "run_study", "sweep_points", "train_mismatch"]
+__all__ = ["KneeConfig", "Point", "RLConfig", "ShiftConfig", "StudyConfig", "knee_search", "load_study",
+           "phenomena_points", "run_one", "run_study", "sweep_points", "train_mismatch"]
 
 
 Log = Callable[[str], None]
@@ -142,6 +148,81 @@ class ShiftConfig:
 
 
 @dataclasses.dataclass
+class KneeConfig:
+    """Weight-noise levels chosen from the pair itself, so the sweep brackets the knee on any student/teacher.
+
+    With `enabled`, after the baseline the study trains sigma = `start` (every seed), then multiplies sigma by
+    `step` while the point stays within tolerance (mean quality loss <= delta) or divides it while it does not,
+    until one point is within and one beyond; then it bisects log sigma between the closest such pair until their
+    probe M differ by at most `factor` (or `max_points` sigma points have been trained, or sigma leaves
+    [min_sigma, max_sigma]). Bisecting log sigma bisects log M where M grows as a power of sigma. Levels are
+    rounded to 3 significant digits (the point ids), so a resumed study retraces the same levels.
+
+    `factor` is also the widest bracket [largest M within tolerance, smallest M beyond] around B that the study
+    accepts, with or without the search: a wider or open one makes the budget UNRESOLVED (`fit.knee_bracket`).
+    """
+
+    enabled: bool = False
+    start: float = 0.01
+    step: float = 4.0
+    factor: float = 3.0
+    max_points: int = 8
+    min_sigma: float = 1e-4
+    max_sigma: float = 1.0
+
+    def validate(self):
+        if not 0 < self.min_sigma <= self.start <= self.max_sigma:
+            raise ConfigError(f"knee: need 0 < min_sigma <= start <= max_sigma, got {self.min_sigma}, {self.start}, "
+                              f"{self.max_sigma}")
+        if not self.step > 1:
+            raise ConfigError(f"knee.step must be > 1, got {self.step}")
+        if not self.factor > 1:
+            raise ConfigError(f"knee.factor must be > 1 (the widest bracket accepted, M beyond / M within), got "
+                              f"{self.factor}")
+        if not isinstance(self.max_points, int) or isinstance(self.max_points, bool) or self.max_points < 2:
+            raise ConfigError(f"knee.max_points must be an int >= 2, got {self.max_points!r}")
+
+
+def _level(sigma: float) -> float:
+    return float(f"{sigma:.3g}")
+
+
+def knee_search(knee: KneeConfig, delta: float, measure: Callable[[float], tuple[float, float]],
+                log: Log = print) -> list[float]:
+    """The adaptive weight-noise levels (see `KneeConfig`); `measure(sigma) -> (M, mean q_loss)` trains one point
+    on every seed. Returns the levels trained, in order."""
+    within: tuple[float, float] | None = None   # (sigma, M) of the largest sigma within tolerance
+    beyond: tuple[float, float] | None = None   # (sigma, M) of the smallest sigma beyond it
+    sigma, tried = _level(knee.start), []
+    while len(tried) < knee.max_points and sigma not in tried:
+        m, q = measure(sigma)
+        tried.append(sigma)
+        ok = q <= delta
+        if ok and (within is None or sigma > within[0]):
+            within = (sigma, m)
+        if not ok and (beyond is None or sigma < beyond[0]):
+            beyond = (sigma, m)
+        log(f"knee: sigma {sigma:g}: M {m:.3g}, q_loss {q:+.3g} -> {'within' if ok else 'beyond'} delta")
+        if beyond is None:
+            sigma = _level(sigma * knee.step)
+            if sigma > knee.max_sigma:
+                log(f"knee: still within delta at sigma {tried[-1]:g}; max_sigma {knee.max_sigma:g} reached")
+                break
+        elif within is None:
+            sigma = _level(sigma / knee.step)
+            if sigma < knee.min_sigma:
+                log(f"knee: beyond delta already at sigma {tried[-1]:g}; min_sigma {knee.min_sigma:g} reached")
+                break
+        elif within[1] > 0 and beyond[1] / within[1] <= knee.factor:
+            log(f"knee: bracketed, M in [{within[1]:.3g}, {beyond[1]:.3g}] (ratio {beyond[1] / within[1]:.3g} <= "
+                f"{knee.factor:g})")
+            break
+        else:
+            sigma = _level(math.sqrt(within[0] * beyond[0]))
+    return tried
+
+
+@dataclasses.dataclass
 class StudyConfig:
     out_dir: str = "runs/study"
     train_config: str | None = None   # base TrainConfig YAML (default: the embedded defaults)
@@ -156,6 +237,7 @@ class StudyConfig:
     delta: float = 0.25                # tolerated quality loss
     fit: str = "isotonic"              # isotonic (q_loss monotone in M) | first_failure (see fit_budget)
     keep_checkpoints: bool = False     # False: delete each run's checkpoints/ (the baseline keeps student_final)
+    knee: KneeConfig = dataclasses.field(default_factory=KneeConfig)
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)
     shift: ShiftConfig = dataclasses.field(default_factory=ShiftConfig)
 
@@ -183,6 +265,7 @@ class StudyConfig:
             if not isinstance(r, str) or not (r in quant.RECIPES or quant.is_recipe_file(r)):
                 raise ConfigError(f"recipes: unknown recipe {r!r}; presets: {sorted(quant.RECIPES)} "
                                   "(or a .json/.yaml recipe file)")
+        self.knee.validate()
         self.rl.validate()
         self.shift.validate()
         self.train_config_for({}, self.seeds[0])  # base overrides checked now, not after an hour of runs
@@ -347,33 +430,53 @@ def run_study(study: StudyConfig, log: Log = print) -> dict[str, Any]:
     root = pathlib.Path(study.out_dir)
     root.mkdir(parents=True, exist_ok=True)
     write_text(root / "study_config.yaml", yaml.safe_dump(to_dict(study), sort_keys=False))
-    sweep, extra = sweep_points(study), phenomena_points(study)
-    todo = [(p, s) for p in sweep + extra for s in study.seeds]
-    log(f"study: {len(sweep)} sweep points + {len(extra)} phenomena points x {len(study.seeds)} seeds "
-        f"= {len(todo)} runs -> {root}")
+    fixed, extra = sweep_points(study), phenomena_points(study)
+    planned = len(fixed + extra) * len(study.seeds)
+    log(f"study: {len(fixed)} sweep points + {len(extra)} phenomena points x {len(study.seeds)} seeds "
+        f"= {planned} runs{' + the knee search' if study.knee.enabled else ''} -> {root}")
     records: dict[str, list[RunResult]] = {}
-    ran = 0
-    for i, (p, s) in enumerate(todo):
-        rec = run_one(study, p, s, log)
-        records.setdefault(p.id, []).append(rec)
-        if rec.reused:
-            log(f"[{i + 1}/{len(todo)}] {p.id} seed {s}: done earlier (reused)")
-        else:
-            ran += 1
-            mp = "" if rec.m_probe is None else f"M_probe {rec.m_probe:.3g}, "
-            log(f"[{i + 1}/{len(todo)}] {p.id} seed {s}: {mp}M_train {rec.m_train_k3:.3g}, "
-                f"RKL {rec.reverse_kl:.3f}, acc {rec.accuracy:.3f} "
-                f"({rec.probe_seconds + rec.train_seconds:.0f}s)")
-    base_recs = records["baseline"]
-    baseline = {"reverse_kl": float(np.mean([r.reverse_kl for r in base_recs])),
-                "accuracy": float(np.mean([r.accuracy for r in base_recs])),
-                "reverse_kl_seeds": [r.reverse_kl for r in base_recs],
-                "accuracy_seeds": [r.accuracy for r in base_recs],
-                "initial_reverse_kl": float(np.mean([r.initial_reverse_kl for r in base_recs])),
-                "initial_accuracy": float(np.mean([r.initial_accuracy for r in base_recs]))}
+    counts = {"done": 0, "ran": 0}
+
+    def run_point(p: Point) -> list[RunResult]:
+        if p.id in records:
+            return records[p.id]
+        for s in study.seeds:
+            rec = run_one(study, p, s, log)
+            records.setdefault(p.id, []).append(rec)
+            counts["done"] += 1
+            at = f"[{counts['done']}/{planned}{'+' if study.knee.enabled else ''}] {p.id} seed {s}"
+            if rec.reused:
+                log(f"{at}: done earlier (reused)")
+            else:
+                counts["ran"] += 1
+                mp = "" if rec.m_probe is None else f"M_probe {rec.m_probe:.3g}, "
+                log(f"{at}: {mp}M_train {rec.m_train_k3:.3g}, RKL {rec.reverse_kl:.3f}, acc {rec.accuracy:.3f} "
+                    f"({rec.probe_seconds + rec.train_seconds:.0f}s)")
+        return records[p.id]
+
+    baseline = _baseline(run_point(fixed[0]))
+    searched: list[Point] = []
+    if study.knee.enabled:
+        def measure(sigma: float) -> tuple[float, float]:
+            p = noise_point(sigma)
+            searched.append(p)
+            recs = run_point(p)
+            return float(np.mean([r.m_probe for r in recs])), float(np.mean(
+                quality_losses(recs, baseline, study.quality)))
+
+        knee_search(study.knee, study.delta, measure, log)
+    for p in fixed[1:] + extra:
+        run_point(p)
+    ran = counts["ran"]
+    sweep = _sweep_order(fixed + [p for p in searched if p.id not in {q.id for q in fixed}])
     rows = [aggregate(p, records[p.id], baseline, study.quality) for p in sweep]
+    for r in rows:
+        r["q_loss_ci"] = list(mean_ci([x["q_loss"] for x in r["seeds"]]))
+        r["runs_verdict"] = runs_verdict(r["q_loss_ci"], study.delta)
     pts = [{"m": r["m_probe"], "q_loss": r["q_loss"]} for r in rows]
     budget, within = fit_budget(pts, study.delta, study.fit)
+    bracket = knee_bracket(pts, budget, study.delta, study.knee.factor, study.fit)
+    b_lo, b_hi = budget_interval(rows, study.quality, study.delta, study.fit)
     for r, w, f in zip(rows, within, monotone_q_loss(pts)):
         r["within_budget"] = w
         r["q_loss_monotone"] = f
@@ -383,10 +486,12 @@ def run_study(study: StudyConfig, log: Log = print) -> dict[str, Any]:
     base_cfg = study.train_config_for({}, study.seeds[0])
     out = {
         "metric": study.metric, "budget": budget, "delta": study.delta,
+        "status": "RESOLVED" if bracket["resolved"] else "UNRESOLVED", "bracket": bracket,
+        "budget_interval": [b_lo, b_hi],
         "quality": _quality_text(study.quality),
         "baseline": baseline, "points": rows, "phenomena": phen,
         "timing": {"compute_seconds": compute, "wall_seconds_this_invocation": time.time() - t_start,
-                   "runs": len(todo), "runs_this_invocation": ran},
+                   "runs": counts["done"], "runs_this_invocation": ran},
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
         "calibrated_on": setup_fingerprint(base_cfg, log=lambda m: None),
         "config": {"study": to_dict(study), "base_train_config": to_dict(base_cfg)},
@@ -401,9 +506,28 @@ def run_study(study: StudyConfig, log: Log = print) -> dict[str, Any]:
     write_csv(root / "points.csv", rows)
     plot(root / "budget.png", out)
     write_text(root / "summary.md", summary_markdown(out))
-    log(f"budget B = {budget:.4g} ({study.metric}); wrote {root / 'budget.json'}, points.csv, budget.png, summary.md "
+    if not bracket["resolved"]:
+        log(f"UNRESOLVED: the knee is not bracketed within a factor {study.knee.factor:g} ({bracket['why']}); "
+            f"`opdjax admit` refuses this budget. Enable the knee search (knee.enabled=true) or add levels.")
+    log(f"budget B = {budget:.4g} [{b_lo:.3g}, {b_hi:.3g}] ({study.metric}, bracket {bracket['why']}); wrote {root / 'budget.json'}, points.csv, budget.png, summary.md "
         f"({time.time() - t_start:.0f}s this invocation, {compute:.0f}s of runs in all)")
     return out
+
+
+def _baseline(base_recs: Sequence[RunResult]) -> dict[str, Any]:
+    """The baseline's means over seeds (quality losses are measured against these)."""
+    return {"reverse_kl": float(np.mean([r.reverse_kl for r in base_recs])),
+            "accuracy": float(np.mean([r.accuracy for r in base_recs])),
+            "reverse_kl_seeds": [r.reverse_kl for r in base_recs],
+            "accuracy_seeds": [r.accuracy for r in base_recs],
+            "initial_reverse_kl": float(np.mean([r.initial_reverse_kl for r in base_recs])),
+            "initial_accuracy": float(np.mean([r.initial_accuracy for r in base_recs]))}
+
+
+def _sweep_order(points: Sequence[Point]) -> list[Point]:
+    """Baseline, weight noise by sigma, then staleness and recipes in their given order."""
+    order = {"baseline": 0, "weight_noise": 1}
+    return sorted(points, key=lambda p: (order.get(p.knob, 2), p.value if p.knob == "weight_noise" else 0))
 
 
 def _quality_text(quality: str) -> str:
