@@ -8,9 +8,10 @@ versions back), so the engine is k versions behind a learner at its peak learnin
 moments — what a training step sees. (k steps at step 0 would be either inside the warm-up, several times too
 small, or Adam's first sign-like steps at full learning rate, an order of magnitude too large.)
 
-M is the chosen metric (default k3) over all probe tokens, with a 95% bootstrap CI over sequences. `rescore` is
-the one sample -> rescore -> metrics loop: `probe` (behind `admit`, `measure`, the study and the recipe search) and
-any caller with its own engine and learner use it.
+M is the chosen metric (default k3) over all probe tokens. `probe` samples a fixed number of batches and gives M a
+95% bootstrap CI over sequences (behind `measure`, the study and the recipe search); `probe_sequential` (behind
+`admit`) samples the same batches one at a time until M's bounds clear a budget B (`opdjax.budget.sequential`).
+`rescore` is the one sample -> rescore loop both use, as can any caller with its own engine and learner.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from opdjax.rollout import RolloutBatch
 __all__ = ["DEFAULT_MAX_BATCHES", "Rescored", "bootstrap_ci", "cache_amax", "calibrate_kv", "kv_amax",
            "per_sequence_terms", "probe", "probe_sequential", "rescore"]
 
-DEFAULT_MAX_BATCHES = 6  # the sequential probe's cap: < 5% of one study point of configs/study_cpu.yaml
+DEFAULT_MAX_BATCHES = 6  # the sequential probe's cap (batches of rollout.batch_size); see README for its cost
 
 
 def per_sequence_terms(metric: str, student_logp_BT: np.ndarray, rollout_logp_BT: np.ndarray,

@@ -444,7 +444,7 @@ def run_study(study: StudyConfig, log: Log = print) -> dict[str, Any]:
             rec = run_one(study, p, s, log)
             records.setdefault(p.id, []).append(rec)
             counts["done"] += 1
-            at = f"[{counts['done']}/{planned}{'+' if study.knee.enabled else ''}] {p.id} seed {s}"
+            at = f"[{counts['done']}/{planned}{' + knee' if study.knee.enabled else ''}] {p.id} seed {s}"
             if rec.reused:
                 log(f"{at}: done earlier (reused)")
             else:

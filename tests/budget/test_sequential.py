@@ -50,9 +50,23 @@ def test_ratio_bounds_match_the_skew_corrected_delta_method_by_hand():
     se = math.sqrt((z ** 2).sum() / 3) / 2
     g = np.mean(z ** 3) / np.mean(z ** 2) ** 1.5
     t = 3.182446305284263  # t_{0.975, 3}
-    assert hi - r == pytest.approx(se * (t + g * (1 + 2 * t * t) / 12))
-    assert r - lo == pytest.approx(se * (t - g * (1 + 2 * t * t) / 12))
-    assert g > 0 and hi - r > r - lo  # right skew: the upper bound reaches further
+    assert g > 0 and hi - r == pytest.approx(se * (t + g * (1 + 2 * t * t) / 12))  # right skew widens the top
+    assert r - lo == pytest.approx(se * t)  # ... and never narrows the bottom
+    # Left skew (mirror image): the lower bound is widened, the upper one is plain t.
+    s2, c2 = np.array([3.0, 2.0, 9.0, -3.0]), np.array([2, 2, 4, 2])
+    r2, lo2, hi2 = seq.ratio_bounds(s2, c2, 0.025)
+    z2 = (s2 - r2 * c2) / 2.5
+    assert np.mean(z2 ** 3) < 0 and hi2 - r2 == pytest.approx(math.sqrt((z2 ** 2).sum() / 3) / 2 * t)
+    assert r2 - lo2 > hi2 - r2
+
+
+def test_bounds_always_contain_the_estimate_even_with_one_huge_sequence():
+    # 200 near-zero sequences and one enormous one: skewness is extreme, yet lo <= R <= hi.
+    s = np.r_[np.full(200, 1e-4), 50.0]
+    c = np.full(201, 5)
+    for a in (0.3, 0.05, 0.001):
+        r, lo, hi = seq.ratio_bounds(s, c, a)
+        assert lo <= r <= hi
     assert seq.ratio_bounds(np.array([1.0, 2.0]), np.array([3, 1]), 0.05)[1:] == (-math.inf, math.inf)
 
 
