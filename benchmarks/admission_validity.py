@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -47,13 +48,12 @@ from opdjax.budget.io import load_budget  # noqa: E402
 from opdjax.config import to_dict  # noqa: E402
 from opdjax.budget.records import Point, noise_point  # noqa: E402
 
-# Twelve candidates, none a level of configs/budget_cpu.yaml (its sweep is the baseline plus weight-noise levels
-# that the knee search picks; a candidate that coincides with a searched level is refused below). Spread over the
-# scale: from the earlier study on this machine (docs/study_cpu, knee between M 0.025 and 0.035) the first five sat
-# below it, the next four near it and the last three beyond it. Other knobs than the one B was fitted on (recipes,
-# staleness, a combination) test the claim that M is one scale for all of them.
-DEFAULT_CANDIDATES = [
-    "rollout.weight_noise=0.005",
+# Candidates, none a level of configs/budget_cpu.yaml (its sweep is the baseline plus the weight-noise levels the
+# knee search picks; a candidate that coincides with a searched level is refused below). Ten fixed ones: every
+# other knob than the one B was fitted on (recipes, staleness, a combination), to test the claim that M is one
+# scale for all of them; where they fall relative to B depends on the pair. Plus three weight-noise levels placed
+# from the study's own knee (`knee_candidates`), so that every pair gets candidates below, near and above B.
+FIXED_CANDIDATES = [
     "rollout.recipe=int8_w8a8",
     "rollout.recipe=fp8_weights_only",
     "rollout.recipe=fp8_block128",
@@ -62,10 +62,35 @@ DEFAULT_CANDIDATES = [
     "rollout.recipe=fp8_w8a8_kv",
     "rollout.recipe=fp8_kv_only",
     "rollout.recipe=e5m2_w8a8",
-    "rollout.weight_noise=0.06",
     "rollout.stale_versions=1",
     "rollout.recipe=fp8_kv_only,rollout.stale_versions=1",
 ]
+
+
+def knee_candidates(bj: dict) -> list[str]:
+    """Three weight-noise levels from the study's knee: with sigma_w the largest searched sigma within B
+    (M <= B) and sigma_b the smallest beyond, sigma_w / 2 (below: M ~ B/4, as M grows ~ sigma^2), the geometric
+    mean sqrt(sigma_w sigma_b) (inside the bracket; a third of the way when that one was searched) and
+    1.5 sigma_b (above), each nudged off any searched level. Rounded to 3 significant digits, like the searched
+    levels. [] when B has no bracket."""
+    noise = [(r["value"], r["m_probe"]) for r in bj["points"]
+             if r["knob"] == "weight_noise" and r["value"] > 0 and r.get("m_probe") is not None]
+    within = [s for s, m in noise if m <= bj["budget"]]
+    beyond = [s for s, m in noise if m > bj["budget"]]
+    if not within or not beyond:
+        return []
+    s_w, s_b = max(within), min(beyond)
+    searched = {s for s, _ in noise}
+
+    def unsearched(x: float, nudge: float) -> float:
+        while budget_mod._level(x) in searched:
+            x *= nudge
+        return budget_mod._level(x)
+
+    mid = budget_mod._level(math.sqrt(s_w * s_b))
+    mid = mid if mid not in searched else unsearched(s_w ** (2 / 3) * s_b ** (1 / 3), 1.05)
+    levels = (unsearched(s_w / 2, 0.9), mid, unsearched(1.5 * s_b, 1.1))
+    return [f"rollout.weight_noise={x:g}" for x in levels]
 
 
 def candidate_point(text: str) -> Point:
@@ -108,7 +133,8 @@ def main(argv=None) -> int:
     bj = json.loads(pathlib.Path(args.budget).read_text())
     study = budget_mod.load_study(pathlib.Path(args.budget).parent / "study_config.yaml")
     baseline = bj["baseline"]
-    candidates = args.candidates or DEFAULT_CANDIDATES
+    candidates = args.candidates or FIXED_CANDIDATES + knee_candidates(bj)
+    log(f"{len(candidates)} candidates: {', '.join(candidates)}")
     points = [candidate_point(c) for c in candidates]
     fitted = [_resolved(study, p.overrides) for p in budget_mod.sweep_points(study)]
     fitted += [_resolved(study, noise_point(r["value"]).overrides) for r in bj["points"]
