@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import pathlib
 import subprocess
@@ -68,29 +67,8 @@ FIXED_CANDIDATES = [
 
 
 def knee_candidates(bj: dict) -> list[str]:
-    """Three weight-noise levels from the study's knee: with sigma_w the largest searched sigma within B
-    (M <= B) and sigma_b the smallest beyond, sigma_w / 2 (below: M ~ B/4, as M grows ~ sigma^2), the geometric
-    mean sqrt(sigma_w sigma_b) (inside the bracket; a third of the way when that one was searched) and
-    1.5 sigma_b (above), each nudged off any searched level. Rounded to 3 significant digits, like the searched
-    levels. [] when B has no bracket."""
-    noise = [(r["value"], r["m_probe"]) for r in bj["points"]
-             if r["knob"] == "weight_noise" and r["value"] > 0 and r.get("m_probe") is not None]
-    within = [s for s, m in noise if m <= bj["budget"]]
-    beyond = [s for s, m in noise if m > bj["budget"]]
-    if not within or not beyond:
-        return []
-    s_w, s_b = max(within), min(beyond)
-    searched = {s for s, _ in noise}
-
-    def unsearched(x: float, nudge: float) -> float:
-        while budget_mod._level(x) in searched:
-            x *= nudge
-        return budget_mod._level(x)
-
-    mid = budget_mod._level(math.sqrt(s_w * s_b))
-    mid = mid if mid not in searched else unsearched(s_w ** (2 / 3) * s_b ** (1 / 3), 1.05)
-    levels = (unsearched(s_w / 2, 0.9), mid, unsearched(1.5 * s_b, 1.1))
-    return [f"rollout.weight_noise={x:g}" for x in levels]
+    """The three weight-noise candidates placed from the study's knee (`study.knee_candidates`)."""
+    return [f"rollout.weight_noise={s:g}" for s in budget_mod.knee_candidates(bj["points"], bj["budget"])]
 
 
 def candidate_point(text: str) -> Point:

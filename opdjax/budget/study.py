@@ -75,7 +75,7 @@ from opdjax.core import corrections, mismatch
 from opdjax.pipeline import loop
 from opdjax.pipeline.rundir import write_text
 
-__all__ = ["KneeConfig", "Point", "RLConfig", "ShiftConfig", "StudyConfig", "knee_search", "load_study",
+__all__ = ["KneeConfig", "Point", "RLConfig", "ShiftConfig", "StudyConfig", "knee_candidates", "knee_search", "load_study",
            "phenomena_points", "run_one", "run_study", "sweep_points", "train_mismatch"]
 
 
@@ -220,6 +220,31 @@ def knee_search(knee: KneeConfig, delta: float, measure: Callable[[float], tuple
         else:
             sigma = _level(math.sqrt(within[0] * beyond[0]))
     return tried
+
+
+def knee_candidates(points: Sequence[Mapping[str, Any]], budget: float) -> list[float]:
+    """Three weight-noise levels around a study's knee, for validating the budget on configurations it was not
+    fitted on: with sigma_w the largest searched sigma whose probe M <= B and sigma_b the smallest with M > B,
+    sigma_w / 2 (below: M ~ B/4 as M grows ~ sigma^2), sqrt(sigma_w sigma_b) (inside the bracket) and
+    1.5 sigma_b (above), each rounded like the searched levels and nudged (x0.9, x1.05, x1.1) off any searched
+    level. [] when the points do not bracket B.
+
+    points: budget.json's "points" ({"knob", "value", "m_probe"})."""
+    noise = [(p["value"], p["m_probe"]) for p in points
+             if p["knob"] == "weight_noise" and p["value"] > 0 and p.get("m_probe") is not None]
+    within = [s for s, m in noise if m <= budget]
+    beyond = [s for s, m in noise if m > budget]
+    if not within or not beyond:
+        return []
+    s_w, s_b = max(within), min(beyond)
+    searched = {s for s, _ in noise}
+
+    def unsearched(x: float, nudge: float) -> float:
+        while _level(x) in searched:
+            x *= nudge
+        return _level(x)
+
+    return [unsearched(s_w / 2, 0.9), unsearched(math.sqrt(s_w * s_b), 1.05), unsearched(1.5 * s_b, 1.1)]
 
 
 @dataclasses.dataclass

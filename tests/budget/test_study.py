@@ -255,6 +255,24 @@ def test_knee_search_brackets_the_knee_by_stepping_then_bisecting():
         study_mod.load_study(None, ["knee.factor=1"])
 
 
+def test_knee_candidates_sit_below_inside_and_above_the_bracket_and_never_on_a_searched_level():
+    def pts(levels):
+        return [{"knob": "baseline", "value": 0, "m_probe": 1e-12}] + [
+            {"knob": "weight_noise", "value": s, "m_probe": m} for s, m in levels]
+
+    searched = [(0.01, 0.0017), (0.02, 0.0085), (0.0283, 0.0155), (0.04, 0.032)]
+    assert study_mod.knee_candidates(pts(searched), 0.0017) == [0.005, 0.0141, 0.03]
+    # B at sigma 0.02: 0.01 = 0.02 / 2 was searched (nudged down to 0.009); sqrt(0.02 * 0.0283) = 0.0238 was not
+    assert study_mod.knee_candidates(pts(searched), 0.0085) == [0.009, 0.0238, 0.0425]
+    # the shipped built-in pair's search (docs/budget_cpu): bracket [sigma 0.0025, 0.00354] after 0.005 was tried
+    bisected = [(0.01, 2.7e-3), (0.0025, 1.6e-4), (0.005, 6.6e-4), (0.00354, 3.2e-4)]
+    assert study_mod.knee_candidates(pts(bisected), 1.6e-4) == [0.00125, 0.00297, 0.00531]
+    # M not monotone in sigma (one noise draw per seed): a searched level can sit at the geometric mean
+    odd = [(0.01, 2e-3), (0.04, 5e-4), (0.02, 1e-3)]  # within: 0.04 and 0.02, beyond: 0.01
+    assert study_mod.knee_candidates(pts(odd), 1e-3) == [0.018, 0.021, 0.015]  # 0.04/2 and sqrt(0.04*0.01) nudged
+    assert study_mod.knee_candidates(pts(searched), 0.05) == []  # nothing beyond B: no bracket, no candidates
+    assert study_mod.knee_candidates(pts(searched), 1e-3) == []  # nothing within B
+
 def test_adaptive_study_reports_a_bracketed_b_and_a_fixed_sweep_that_misses_the_knee_is_unresolved(
         pair, tmp_path, monkeypatch):
     _fake_runs(monkeypatch)  # q_loss ~ 100 sigma^2 / 1.005, M = sigma^2
