@@ -75,8 +75,8 @@ from opdjax.core import corrections, mismatch
 from opdjax.pipeline import loop
 from opdjax.pipeline.rundir import write_text
 
-__all__ = ["KneeConfig", "Point", "RLConfig", "ShiftConfig", "StudyConfig", "knee_candidates", "knee_search", "load_study",
-           "phenomena_points", "run_one", "run_study", "sweep_points", "train_mismatch"]
+__all__ = ["KneeConfig", "Point", "RLConfig", "ShiftConfig", "StudyConfig", "knee_candidates", "knee_search",
+           "load_study", "phenomena_points", "run_one", "run_study", "sweep_points", "train_mismatch"]
 
 
 Log = Callable[[str], None]
