@@ -43,6 +43,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 from opdjax.budget import admit, fit, report  # noqa: E402
 from opdjax.budget import study as budget_mod  # noqa: E402
+from opdjax.budget.study_config import load_study  # noqa: E402
 from opdjax.budget.io import load_budget  # noqa: E402
 from opdjax.config import to_dict  # noqa: E402
 from opdjax.budget.records import Point, noise_point  # noqa: E402
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
     log = lambda m: print(m, flush=True)  # noqa: E731
     load_budget(args.budget)  # refuses an UNRESOLVED study before anything runs
     bj = json.loads(pathlib.Path(args.budget).read_text())
-    study = budget_mod.load_study(pathlib.Path(args.budget).parent / "study_config.yaml")
+    study = load_study(pathlib.Path(args.budget).parent / "study_config.yaml")
     baseline = bj["baseline"]
     candidates = args.candidates or FIXED_CANDIDATES + knee_candidates(bj)
     log(f"{len(candidates)} candidates: {', '.join(candidates)}")

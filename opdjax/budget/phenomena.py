@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pathlib
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from opdjax.budget.fit import _finite_mean, quality_losses
 from opdjax.budget.records import Point, noise_point
+from opdjax.budget.study_config import StudyConfig
 from opdjax.config import TrainConfig
 from opdjax.data import tasks
 from opdjax.data.prompts import encode_prompts
@@ -21,8 +22,6 @@ from opdjax.pipeline.build import resolve_models, sampling_params
 from opdjax.pipeline.steps import completion_texts
 from opdjax.rollout.jax_engine import JaxEngine
 
-if TYPE_CHECKING:  # the study config is only annotated here (study.py imports this module)
-    from opdjax.budget.study import StudyConfig
 
 Log = Callable[[str], None]
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import yaml
 
-from opdjax.budget.study import load_study, run_study
+from opdjax.budget.study import run_study
+from opdjax.budget.study_config import load_study
 from opdjax.cli.common import guard
 from opdjax.config import to_dict
 
