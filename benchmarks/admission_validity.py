@@ -67,9 +67,12 @@ FIXED_CANDIDATES = [
 ]
 
 
-def knee_candidates(bj: dict) -> list[str]:
-    """The three weight-noise candidates placed from the study's knee (`study.knee_candidates`)."""
-    return [f"rollout.weight_noise={s:g}" for s in budget_mod.knee_candidates(bj["points"], bj["budget"])]
+def knee_candidates(bj: dict, study) -> list[str]:
+    """The three weight-noise candidates placed from the study's knee (`study.knee_candidates`), of the study's
+    noise kind (its base rollout.noise_mode, spelled out when it is not the default)."""
+    mode = study.train_config_for({}, study.seeds[0]).rollout.noise_mode
+    kind = "" if mode == "fixed" else f",rollout.noise_mode={mode}"
+    return [f"rollout.weight_noise={s:g}{kind}" for s in budget_mod.knee_candidates(bj["points"], bj["budget"])]
 
 
 def candidate_point(text: str) -> Point:
@@ -105,6 +108,9 @@ def main(argv=None) -> int:
     ap.add_argument("--risk", type=float, default=0.05, help="the sequential probe's risk (as `opdjax admit`)")
     ap.add_argument("--max-batches", type=int, default=None,
                     help="the sequential probe's cap (as `opdjax admit`; default: its default)")
+    ap.add_argument("--seeds", type=int, default=None,
+                    help="seeds per full run (default: the study's); more than the study's adds seeds after its "
+                         "largest, narrowing each verdict's CI (the study's own runs are reused)")
     ap.add_argument("candidates", nargs="*", default=None)
     args = ap.parse_args(argv)
     log = lambda m: print(m, flush=True)  # noqa: E731
@@ -112,7 +118,7 @@ def main(argv=None) -> int:
     bj = json.loads(pathlib.Path(args.budget).read_text())
     study = load_study(pathlib.Path(args.budget).parent / "study_config.yaml")
     baseline = bj["baseline"]
-    candidates = args.candidates or FIXED_CANDIDATES + knee_candidates(bj)
+    candidates = args.candidates or FIXED_CANDIDATES + knee_candidates(bj, study)
     log(f"{len(candidates)} candidates: {', '.join(candidates)}")
     points = [candidate_point(c) for c in candidates]
     fitted = [_resolved(study, p.overrides) for p in budget_mod.sweep_points(study)]
@@ -121,8 +127,9 @@ def main(argv=None) -> int:
     for c, p in zip(candidates, points):
         if _resolved(study, p.overrides) in fitted:
             raise SystemExit(f"candidate {c} is a point of the study; validity needs configurations not used to fit")
-    if len(study.seeds) < 4:
-        log(f"warning: the study has {len(study.seeds)} seeds; full-run verdicts from fewer than 4 are coin flips")
+    seeds = truth_seeds(study.seeds, args.seeds)
+    if len(seeds) < 4:
+        log(f"warning: {len(seeds)} seeds per full run; full-run verdicts from fewer than 4 are coin flips")
 
     # 1. The probe verdicts, exactly as `opdjax admit --budget ... CANDIDATES` computes them: cold, then warm.
     out = pathlib.Path(args.budget).parent
@@ -133,11 +140,11 @@ def main(argv=None) -> int:
         warm, admit_rows = timed_admit(args.budget, candidates, base, args.risk, args.max_batches,
                                        pathlib.Path(tmp) / "jax", pathlib.Path(tmp) / "warm.json")
     log(f"admit: {cold:.1f} s cold, {warm:.1f} s warm for {len(candidates)} candidates")
-    # 2. The full-run verdicts: every study seed, as the study trains its points.
+    # 2. The full-run verdicts: as the study trains its points, on its seeds (and more with --seeds).
     rows = []
     for c, p, a in zip(candidates, points, admit_rows):
         recs = []
-        for s in study.seeds:
+        for s in seeds:
             rec = budget_mod.run_one(study, p, s, log)
             recs.append(rec)
             log(f"{c} seed {s}: RKL {rec.reverse_kl:.3f}, acc {rec.accuracy:.3f}"
@@ -160,7 +167,8 @@ def main(argv=None) -> int:
     mean_point = sum(point_s) / len(point_s)
     rep = {"budget": bj["budget"], "metric": bj["metric"], "delta": bj["delta"], "budget_file": args.budget,
            "budget_interval": bj.get("budget_interval"), "bracket": bj.get("bracket"), "risk": args.risk,
-           "baseline_reverse_kl": baseline["reverse_kl"], "seeds": list(study.seeds), "rows": rows,
+           "baseline_reverse_kl": baseline["reverse_kl"], "seeds": seeds, "study_seeds": list(study.seeds),
+           "rows": rows,
            "agreement": sum(bool(r["agree"]) for r in decided), "n": len(rows), "n_decided": len(decided),
            "borderline": [r["candidate"] for r in rows if r["runs_verdict"] == "borderline"],
            "false_admits": [r["candidate"] for r in decided if r["verdict"] == "ADMIT" and r["runs_verdict"] == "reject"],
@@ -180,9 +188,20 @@ def main(argv=None) -> int:
     return 0
 
 
+def truth_seeds(study_seeds, n: int | None) -> list[int]:
+    """The seeds of each candidate's full runs: the study's, then (n > their count) the next integers after its
+    largest. n smaller than the study's count takes its first n."""
+    seeds = list(study_seeds)
+    if n is None:
+        return seeds
+    if n < 1:
+        raise SystemExit(f"--seeds must be >= 1, got {n}")
+    return seeds[:n] + list(range(max(seeds) + 1, max(seeds) + 1 + max(n - len(seeds), 0)))
+
+
 def _resolved(study, overrides) -> dict:
-    """The TrainConfig a point with `overrides` trains with (first seed), as a dict: equal dicts, same runs."""
-    return to_dict(study.train_config_for(overrides, study.seeds[0]))
+    """The run a point with `overrides` trains (first seed), as a dict: equal dicts, same runs."""
+    return budget_mod.run_identity(to_dict(study.train_config_for(overrides, study.seeds[0])))
 
 
 def _base_overrides(study) -> list[str]:

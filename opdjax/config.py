@@ -27,6 +27,7 @@ from opdjax.models.config import FAMILIES
 from opdjax.models.decoder import ATTENTION_IMPLS, REMAT_POLICIES
 from opdjax.models.tiny import SIZES
 from opdjax.quant import Recipe
+from opdjax.rollout.perturb import NOISE_MODES
 from opdjax.sync.links import TRANSPORTS
 
 
@@ -100,8 +101,9 @@ class RolloutConfig:
     top_k: int = 0
     top_p: float = 1.0
     recipe: str | Recipe = "none"    # simulated quantization: a quant.RECIPES preset, a recipe file, or a quant.Recipe
-    weight_noise: float = 0.0        # relative Gaussian weight noise on the engine's copy
-    noise_mode: str = "fixed"        # fixed (one draw, a persistent offset) | per_version (redrawn every update)
+    weight_noise: float = 0.0        # the engine copy's weight-noise knob sigma; its kind is noise_mode
+    noise_mode: str = "fixed"        # fixed (relative Gaussian, one draw) | per_version (redrawn every update) |
+    #                                  rounding (matmul kernels to a per-channel grid of step sigma*max|W|)
     stale_versions: int = 0          # JAX engine serves weights this many versions behind
     dtype: str = "float32"           # engine compute dtype
     seed: int = 0
@@ -116,7 +118,7 @@ class RolloutConfig:
         _positive("rollout", "temperature", self.temperature, zero_ok=True)
         _positive("rollout", "top_k", self.top_k, zero_ok=True)
         _positive("rollout", "weight_noise", self.weight_noise, zero_ok=True)
-        _choice("rollout", "noise_mode", self.noise_mode, {"fixed", "per_version"})
+        _choice("rollout", "noise_mode", self.noise_mode, set(NOISE_MODES))
         _positive("rollout", "stale_versions", self.stale_versions, zero_ok=True)
         _endpoints("rollout", self.endpoints)
         if not 0 < self.top_p <= 1:

@@ -32,6 +32,7 @@ def test_overrides_and_shortcuts(tmp_path):
     ("rollout.recipe=fp4", "rollout.recipe='fp4' is not valid"),
     ("optim.lr=-1", "optim.lr must be > 0"),
     ("rollout.top_p=0", r"rollout.top_p must be in \(0, 1\]"),
+    ("rollout.noise_mode=sometimes", r"rollout.noise_mode=.sometimes. is not valid; choose one of \[.fixed., .per_version., .rounding.\]"),
     ("pipeline.mode=sometimes", "pipeline.mode='sometimes' is not valid"),
     ("sync.transport=udp", r"sync.transport='udp' is not valid; choose one of \['auto', 'inproc', 'shm', 'tcp'\]"),
     ("steps", "must look like key=value"),

@@ -261,7 +261,7 @@ def _validity_with_ci(rep: Mapping[str, Any], current_budget: float | None) -> s
     L = [f"Candidates that are not study points: the sequential probe's verdict (`opdjax admit`, risk "
          f"{rep.get('risk', 0.05):g}) against B = {rep['budget']:.3g} ({rep['metric']}"
          + (f"; B's 95% interval over seeds [{iv[0]:.3g}, {iv[1]:.3g}]" if iv else "")
-         + f") versus full runs at the candidate (the study's config and seeds {rep['seeds']}): their mean quality "
+         + f") versus full runs at the candidate (the study's config; seeds {rep['seeds']}): their mean quality "
          f"loss with a 95% bootstrap CI over seeds is *admit* if the CI is within delta = {rep['delta']}, "
          "*reject* if beyond it, *borderline* if it contains delta (scored neither way). UNCERTAIN counts as not "
          "admitted.", ""]
@@ -286,7 +286,8 @@ def _validity_with_ci(rep: Mapping[str, Any], current_budget: float | None) -> s
           f"Probe cost per candidate (model load, compilation and all batches; `opdjax admit` in a fresh process): "
           f"{rep['probe_seconds_per_candidate_cold']:.1f} s cold (empty compilation cache), "
           f"{rep['probe_seconds_per_candidate']:.1f} s warm, against {rep['mean_study_point_seconds']:.0f} s for one "
-          f"study point ({len(rep['seeds'])} seeds, probe + training): **{100 * rep['probe_cost_ratio_cold']:.1f}% "
+          f"study point ({len(rep.get('study_seeds', rep['seeds']))} seeds, probe + training): "
+          f"**{100 * rep['probe_cost_ratio_cold']:.1f}% "
           f"cold, {100 * rep['probe_cost_ratio']:.1f}% warm** (target < 5%)."]
     return "\n".join(L)
 

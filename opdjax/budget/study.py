@@ -65,8 +65,8 @@ from opdjax.config import to_dict
 from opdjax.pipeline import loop
 from opdjax.pipeline.rundir import write_text
 
-__all__ = ["knee_candidates", "knee_search", "phenomena_points", "run_one", "run_study", "sweep_points",
-           "train_mismatch"]
+__all__ = ["knee_candidates", "knee_search", "phenomena_points", "run_identity", "run_one", "run_study",
+           "sweep_points", "train_mismatch"]
 
 
 Log = Callable[[str], None]
@@ -186,10 +186,21 @@ def train_mismatch(metrics_path: pathlib.Path) -> dict[str, Any]:
     return out
 
 
+def run_identity(cfg_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A TrainConfig dict without the fields that cannot change its run: rollout.noise_mode (and the noise
+    seed's use) when rollout.weight_noise is 0. Two configs with equal identities train the same run."""
+    d = json.loads(json.dumps(dict(cfg_dict)))
+    rollout = d.get("rollout", {})
+    if not rollout.get("weight_noise"):
+        rollout.pop("noise_mode", None)
+    return d
+
+
 def run_one(study: StudyConfig, point: Point, seed: int, log: Log = print) -> RunResult:
     """Probe (sweep points) and train one (point, seed); returns the result record (also saved as JSON).
 
-    A record whose `train_config` equals the one this study would use now is reused without running anything.
+    A record whose `train_config` trains the same run as the one this study would use now (`run_identity`) is
+    reused without running anything.
     """
     root = pathlib.Path(study.out_dir)
     result_path = root / "results" / point.id / f"seed{seed}.json"
@@ -202,7 +213,7 @@ def run_one(study: StudyConfig, point: Point, seed: int, log: Log = print) -> Ru
             old = json.loads(result_path.read_text())
         except json.JSONDecodeError:
             old = None
-        if (old and old.get("train_config") == cfg_dict and old.get("metric") == study.metric
+        if (old and run_identity(old.get("train_config") or {}) == run_identity(cfg_dict) and old.get("metric") == study.metric
                 and (not want_probe or old.get("m_probe") is not None)
                 and old.get("probe_batches", study.probe_batches) == study.probe_batches):
             old.setdefault("probe_batches", study.probe_batches)

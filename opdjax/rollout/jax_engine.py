@@ -4,9 +4,14 @@
 
     served = Q_recipe( W + sigma * rms(W) * eps )        eps ~ N(0, 1)
 
-with eps drawn once from key(noise_seed) and kept for every version (noise_mode "fixed": a persistent,
-quantization-like offset of the served policy), or redrawn per version from fold_in(key(noise_seed), version)
-("per_version": a fresh perturbation every update, which partly averages out over training steps)
+with eps drawn once from key(noise_seed) and kept for every version (noise_mode "fixed": a persistent offset of
+the served policy), or redrawn per version from fold_in(key(noise_seed), version) ("per_version": a fresh
+perturbation every update, which partly averages out over training steps); or, noise_mode "rounding",
+
+    served = Q_recipe( grid_sigma(W) )     every decoder matmul kernel rounded to a per-output-channel grid of
+                                           step sigma * max|W[:, o]| (`perturb.round_to_grid`), other tensors as W
+
+(a quantization-like error: deterministic, tied to the weights, re-derived at every update)
 
 (relative weight noise first, then the recipe's simulated weight quantization — the engine quantizes what it
 receives, as vLLM does). Activation and KV-cache quantization run inside the forward pass through the recipe's
@@ -45,7 +50,7 @@ from opdjax.models.config import ModelConfig
 from opdjax.models.sharding import batch_sharding, shard_state
 from opdjax.quant import forward_quant
 from opdjax.rollout.base import RolloutBatch, SamplingParams, check_token_ids
-from opdjax.rollout.perturb import add_weight_noise
+from opdjax.rollout.perturb import NOISE_MODES, add_weight_noise, round_to_grid
 from opdjax.sync import ModelSpec, WeightReceiver
 
 Array = jax.Array
@@ -254,8 +259,6 @@ def _score_jit(params, tokens_BT, valid_BT, *, graphdef, hooks, temperature, top
 # The engine
 # ----------------------------------------------------------------------------------------------------------------------
 
-NOISE_MODES = ("fixed", "per_version")
-
 class JaxEngine:
     """The embedded rollout engine (`RolloutEngine` protocol) with simulated quantization, noise and staleness.
 
@@ -264,8 +267,10 @@ class JaxEngine:
     graphdef          the decoder graph (default: built from cfg with compute dtype `dtype`)
     recipe            quantization recipe (a `quant.Recipe`, a preset name or None = none): weights quantized at
                       update time, activations and KV cache through forward hooks
-    weight_noise      relative Gaussian weight noise sigma (0 = none)
-    noise_seed, noise_mode  the noise draw: "fixed" (one eps for all versions) or "per_version" (module docstring)
+    weight_noise      the weight-noise knob sigma (0 = none); its kind is noise_mode
+    noise_seed, noise_mode  "fixed" (relative Gaussian noise, one eps for all versions), "per_version" (eps
+                      redrawn per version) or "rounding" (matmul kernels rounded to a per-channel grid of step
+                      sigma * max|W|; noise_seed unused): `perturb.NOISE_MODES`, module docstring
     stale_versions    serve the weights published k versions ago (the oldest of the last k+1)
     pad_id, eos_id    padding id; eos_id (if not None) stops a row like any of `sampling.stop_token_ids`
     dtype             compute and weight storage dtype; cache_dtype: KV-cache storage dtype (default dtype)
@@ -371,14 +376,23 @@ class JaxEngine:
         return jax.tree.map(lambda a: jnp.array(a, self.dtype, copy=True), state)
 
     def _derive(self, state: nnx.State, version: int) -> nnx.State:
-        """Published weights -> served weights: relative noise, then the recipe's weight qdq, then placement."""
-        if self.weight_noise > 0:
+        """Published weights -> served weights: the weight-noise knob, then the recipe's weight qdq, then placement."""
+        named = None
+        if self.weight_noise > 0 and self.noise_mode == "rounding":
+            # The kernels a weight recipe quantizes (FP8_DEFAULT's patterns: every decoder Linear, not lm_head).
+            named = {n: round_to_grid(a, self.weight_noise)
+                     if quant.weight_spec(quant.FP8_DEFAULT, n, a.ndim) is not None else a
+                     for n, a in hf.named_params(self.cfg, state, hf_layout=False).items()}
+        elif self.weight_noise > 0:
             key = jax.random.key(self.noise_seed)
             if self.noise_mode == "per_version":
                 key = jax.random.fold_in(key, version & 0xFFFFFFFF)
             state = add_weight_noise(state, self.weight_noise, key, mode="relative")
         if any(spec is not None for _, spec in self.recipe.weights):
-            named = quant.apply_to_named(self.recipe, hf.named_params(self.cfg, state, hf_layout=False))
+            if named is None:
+                named = hf.named_params(self.cfg, state, hf_layout=False)
+            named = quant.apply_to_named(self.recipe, named)
+        if named is not None:
             state = hf.state_from_named(self.cfg, named, self._template, hf_layout=False, source="quantized weights")
         if self.mesh is not None:
             state = shard_state(state, self.mesh)

@@ -1,4 +1,15 @@
-"""Simulated engine-side mismatch knobs: Gaussian weight noise with a known scale."""
+"""Simulated engine-side mismatch knobs with a known scale: Gaussian weight noise, and rounding to a uniform grid.
+
+`NOISE_MODES` are the kinds of the engine's `weight_noise` knob (sigma):
+    fixed        W + sigma * rms(W) * eps on every floating tensor, eps drawn once and kept for every version
+                 (a persistent offset that never averages out: the harshest kind per unit of mismatch)
+    per_version  the same with eps redrawn at every weight update (partly averages out over training steps)
+    rounding     every decoder matmul kernel (the tensors a weight-quantization recipe touches) rounded to a
+                 per-output-channel uniform grid of step sigma * max|W[:, o]|, i.e. symmetric integer
+                 quantization with 1/sigma levels, re-derived from the current weights at every update:
+                 deterministic, tied to the weights and refreshed as they move, like a real engine's
+                 quantization error (sigma = 1/127 is int8 per-channel weights)
+"""
 
 from __future__ import annotations
 
@@ -10,8 +21,9 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-__all__ = ["add_weight_noise"]
+__all__ = ["NOISE_MODES", "add_weight_noise", "round_to_grid"]
 
+NOISE_MODES = ("fixed", "per_version", "rounding")
 
 
 def _path_str(path: tuple) -> str:
@@ -57,3 +69,14 @@ def _noisy(w: Array, sigma: Any, key: Array, mode: str) -> Array:
     std = sigma * jnp.sqrt(jnp.mean(jnp.square(w32))) if mode == "relative" else sigma
     return (w32 + std * jax.random.normal(key, w.shape, jnp.float32)).astype(w.dtype)
 
+
+
+@jax.jit
+def round_to_grid(w_IO: Array, step: Any) -> Array:
+    """Round a kernel [in, out] to a per-output-channel uniform grid: s_o = step * max_i |w[i, o]|,
+    w_q[i, o] = s_o * round(w[i, o] / s_o) (half to even), computed in float32 and cast back; an all-zero
+    channel stays zero. step = 1/L gives L levels on each side of 0, so |w_q - w| <= s_o / 2."""
+    w32 = w_IO.astype(jnp.float32)
+    s_1O = step * jnp.max(jnp.abs(w32), axis=0, keepdims=True)
+    safe_1O = jnp.where(s_1O > 0, s_1O, 1.0)
+    return jnp.where(s_1O > 0, jnp.round(w32 / safe_1O) * safe_1O, w32).astype(w_IO.dtype)

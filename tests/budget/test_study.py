@@ -140,6 +140,12 @@ def test_small_study_writes_all_outputs_and_resume_skips_finished_runs(pair, tmp
     (root / "results" / "weight_noise=0.3" / "seed0.json").unlink()
     study_mod.run_study(study, log=lambda s: None)
     assert len(calls) == 1 and calls[0].endswith("weight_noise=0.3/seed0")
+    # A new kind of weight noise for the study: the noisy point reruns, the noise-free baseline (whose run the
+    # noise kind cannot change: `run_identity`) is reused.
+    other = _study(pair, tmp_path / "study", "staleness=[]", "rl.enabled=false", "shift.enabled=false",
+                   "base.rollout.noise_mode=rounding")
+    study_mod.run_study(other, log=lambda s: None)
+    assert len(calls) == 2 and calls[1].endswith("weight_noise=0.3/seed0")
 
 
 def _fake_runs(monkeypatch):

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from scipy import stats
 
+from opdjax import quant
 from opdjax.models import decoder, hf
 from opdjax.models.safetensors_io import CheckpointError
 from opdjax.models.tiny import tiny_config
@@ -350,6 +351,29 @@ def test_fp8_recipe_and_weight_noise_change_the_engine_distribution(model, engin
     assert np.abs(fresh.score(tokens, valid)["logp_BT"] - v0).max() > 1e-3
     with pytest.raises(ValueError, match="noise_mode"):
         JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_mode="sometimes")
+
+
+def test_rounding_noise_is_int_quantization_of_the_matmul_kernels(model, engine):
+    """noise_mode "rounding" at sigma = 1/127 serves exactly an int8 per-channel weights-only recipe (the
+    quantizer of `quant`, on the same kernels: every decoder Linear, not lm_head/embeddings/norms); coarser grids
+    move the distribution further, and a new version re-rounds the weights it is given (no persistent draw)."""
+    cfg, g, s, *_ = model
+    tokens, valid = _probe(model)
+    int8_w = quant.Recipe(name="int8_weights_only", weights=tuple(
+        (p, None if spec is None else quant.QSpec("int8", "channel")) for p, spec in quant.FP8_DEFAULT.weights))
+    ref = JaxEngine(cfg, s, graphdef=g, recipe=int8_w).score(tokens, valid)["logp_BT"]
+    grid = JaxEngine(cfg, s, graphdef=g, weight_noise=1 / 127, noise_mode="rounding")
+    np.testing.assert_array_equal(grid.score(tokens, valid)["logp_BT"], ref)
+    base = engine.score(tokens, valid)["logp_BT"]
+    m = valid[:, 1:] & valid[:, :-1]
+    d8 = np.abs(ref - base)[:, 1:][m].mean()
+    d4 = np.abs(JaxEngine(cfg, s, graphdef=g, weight_noise=1 / 7, noise_mode="rounding")
+                .score(tokens, valid)["logp_BT"] - base)[:, 1:][m].mean()
+    assert 0 < d8 < d4
+    moved = jax.tree.map(lambda a: a * 1.01, s)
+    grid.update_weights(hf.named_params(cfg, moved), 1)
+    want = JaxEngine(cfg, moved, graphdef=g, recipe=int8_w).score(tokens, valid)["logp_BT"]
+    np.testing.assert_array_equal(grid.score(tokens, valid)["logp_BT"], want)
 
 
 def test_quantized_decode_matches_quantized_score(model):
