@@ -1,0 +1,39 @@
+"""benchmarks/admission_validity.py's pure parts: the seeds of the full-run verdicts and the knee candidates."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from opdjax.budget.study_config import load_study
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("admission_validity", ROOT / "benchmarks" / "admission_validity.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_truth_seeds_extend_the_study_seeds_past_their_largest(bench):
+    assert bench.truth_seeds((0, 1, 2, 3), None) == [0, 1, 2, 3]
+    assert bench.truth_seeds((0, 1, 2, 3), 8) == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert bench.truth_seeds((3, 9), 4) == [3, 9, 10, 11]
+    assert bench.truth_seeds((0, 1, 2, 3), 2) == [0, 1]
+    with pytest.raises(SystemExit, match="--seeds must be >= 1"):
+        bench.truth_seeds((0, 1), 0)
+
+
+def test_knee_candidates_carry_the_study_noise_kind(bench):
+    points = [{"knob": "baseline", "value": 0, "m_probe": 0.0},
+              {"knob": "weight_noise", "value": 0.01, "m_probe": 1e-3},
+              {"knob": "weight_noise", "value": 0.02, "m_probe": 4e-3}]
+    bj = {"points": points, "budget": 1e-3}
+    fixed = load_study(ROOT / "configs" / "budget_cpu.yaml")
+    assert bench.knee_candidates(bj, fixed) == ["rollout.weight_noise=0.005", "rollout.weight_noise=0.0141",
+                                                "rollout.weight_noise=0.03"]
+    kind = load_study(ROOT / "configs" / "budget_cpu.yaml", ["base.rollout.noise_mode=rounding"])
+    assert all(c.endswith(",rollout.noise_mode=rounding") for c in bench.knee_candidates(bj, kind))
