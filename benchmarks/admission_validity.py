@@ -15,7 +15,7 @@ study point (all its seeds, probe + training; target < 5%), cold (a fresh proces
 and warm (the same command again).
 
     opdjax study --config configs/budget_cpu.yaml           # writes runs/budget_cpu/budget.json
-    python benchmarks/admission_validity.py --budget runs/budget_cpu/budget.json
+    python benchmarks/admission_validity.py --budget runs/budget_cpu/budget.json --seeds 8
 
 Candidate runs live next to the study's (results/cand__*, runs/cand__*) and resume per (candidate, seed) like the
 study's. Writes validity.json into the study directory and re-renders its summary.md, which then carries the
