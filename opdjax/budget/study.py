@@ -187,8 +187,8 @@ def train_mismatch(metrics_path: pathlib.Path) -> dict[str, Any]:
 
 
 def run_identity(cfg_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A TrainConfig dict without the fields that cannot change its run: rollout.noise_mode (and the noise
-    seed's use) when rollout.weight_noise is 0. Two configs with equal identities train the same run."""
+    """A TrainConfig dict without the fields that cannot change its run (rollout.noise_mode when
+    rollout.weight_noise is 0): two configs with equal identities train the same run."""
     d = json.loads(json.dumps(dict(cfg_dict)))
     rollout = d.get("rollout", {})
     if not rollout.get("weight_noise"):
@@ -213,7 +213,8 @@ def run_one(study: StudyConfig, point: Point, seed: int, log: Log = print) -> Ru
             old = json.loads(result_path.read_text())
         except json.JSONDecodeError:
             old = None
-        if (old and run_identity(old.get("train_config") or {}) == run_identity(cfg_dict) and old.get("metric") == study.metric
+        if (old and run_identity(old.get("train_config") or {}) == run_identity(cfg_dict)
+                and old.get("metric") == study.metric
                 and (not want_probe or old.get("m_probe") is not None)
                 and old.get("probe_batches", study.probe_batches) == study.probe_batches):
             old.setdefault("probe_batches", study.probe_batches)
