@@ -13,7 +13,7 @@ torch; no vLLM). Prints a markdown table (and writes it, with every figure, as J
             bf16 matmul rate measured in this run; peer: transformers + torch (bf16 autocast, sdpa, fused AdamW).
   engine    JaxEngine decode, bf16, batch 64, 64-token prompts, 256 new tokens: tokens/s, ms per step, and the HBM
             bound per step (weights once + the filled KV cache, at the copy bandwidth measured in this run);
-            peer: HF generate with a static cache.
+            peer: HF generate with a static cache; the same decode with the other merge_projections setting.
   fp8       k3 between bf16 and FP8 log-probs of the same tokens, per recipe (fp8_w8a8, fp8_weights_only):
             simulated (JaxEngine.score with the recipe) vs real FP8 matmuls (torch._scaled_mm: FP8 weights with a
             per-tensor scale, FP8 activations with a per-token scale; weights-only: FP8 weights dequantized into a
@@ -360,10 +360,10 @@ def _kernels_in_loop_body(hlo: str) -> int:
     return max((sum(1 for op in comps.get(b, []) if kinds.search(op)) for b in bodies), default=0)
 
 
-def section_engine(rep: Report, wl: Workload) -> dict:
+def _engine_decode(rep: Report, wl: Workload, params, merge_projections: bool | None = None) -> dict:
+    """Time JaxEngine.generate on the workload; tokens/s, ms per step, the HBM bound and kernels per decode step."""
     cfg = wl.cfg
-    params = nnx.state(decoder.create(cfg, seed=0, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
-    eng = JaxEngine(cfg, params, dtype=jnp.bfloat16, eos_id=None)
+    eng = JaxEngine(cfg, params, dtype=jnp.bfloat16, eos_id=None, merge_projections=merge_projections)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, cfg.vocab_size, wl.gen_prompt).tolist() for _ in range(wl.gen_batch)]
     sp = SamplingParams(max_new_tokens=wl.gen_new, temperature=1.0)
@@ -381,7 +381,8 @@ def section_engine(rep: Report, wl: Workload) -> dict:
     bw = rep.figures.get("copy_gbs", 4300.0) * 1e9
     bound_ms = (weight_bytes + kv_bytes) / bw * 1e3
     res = dict(tok_s=n_tok / dt, step_ms=step_ms, bound_ms=bound_ms, frac_of_bound=bound_ms / step_ms,
-               compile_s=compile_s, weight_mb=weight_bytes / 2**20, kv_mb=kv_bytes / 2**20)
+               compile_s=compile_s, weight_mb=weight_bytes / 2**20, kv_mb=kv_bytes / 2**20,
+               merge_projections=eng.merge_projections)
     try:
         from opdjax.rollout import jax_engine as je
 
@@ -390,16 +391,34 @@ def section_engine(rep: Report, wl: Workload) -> dict:
         lowered = je._generate_jit.lower(
             snap, jnp.zeros((B, P), jnp.int32), jnp.ones((B, P), bool), jnp.uint32(0), cfg=cfg,
             graphdef=eng.graphdef, hooks=None, sampling=sp, stop_ids=(), pad_id=eng.pad_id,
-            cache_dtype=eng.cache_dtype)
+            cache_dtype=eng.cache_dtype, merge=eng.merge_projections)
         res["kernels_per_step"] = _kernels_in_loop_body(lowered.compile().as_text())
     except Exception as e:  # noqa: BLE001 - diagnostics only
         res["kernels_per_step"] = f"n/a ({type(e).__name__})"
+    return dict(engine=eng, batch=batch, prompts=prompts, sampling=sp, res=res)
+
+
+def section_engine(rep: Report, wl: Workload) -> dict:
+    params = nnx.state(decoder.create(wl.cfg, seed=0, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
+    st = _engine_decode(rep, wl, params)
+    res, step_ms, bound_ms, compile_s = st["res"], st["res"]["step_ms"], st["res"]["bound_ms"], st["res"]["compile_s"]
     rep.figures["engine"] = res
     rep.row("engine", f"JaxEngine decode, bf16, batch {wl.gen_batch}, prompt {wl.gen_prompt}, {wl.gen_new} new",
             f"{res['tok_s'] / 1e3:.1f}k tok/s ({step_ms:.2f} ms/step), **{res['frac_of_bound']:.0%} of HBM bound**",
             "", f"bound {bound_ms:.3f} ms/step ({res['weight_mb']:.0f} MB weights + {res['kv_mb']:.0f} MB KV); "
-                  f"~{res['kernels_per_step']} kernels per decode step; first call {compile_s:.0f} s")
-    return dict(engine=eng, batch=batch, params=params, prompts=prompts, sampling=sp, res=res)
+                  f"~{res['kernels_per_step']} kernels per decode step; first call {compile_s:.0f} s; "
+                  f"merged projections {'on' if res['merge_projections'] else 'off'}")
+    return dict(st, params=params)
+
+
+def section_engine_unmerged(rep: Report, wl: Workload, st: dict):
+    """The same decode with the other `merge_projections` setting (q/k/v and gate/up separate or merged)."""
+    other = not st["res"]["merge_projections"]
+    res = _engine_decode(rep, wl, st["params"], merge_projections=other)["res"]
+    rep.figures["engine_merge_" + ("on" if other else "off")] = res
+    rep.row("engine", f"same decode, merged projections {'on' if other else 'off'}",
+            f"{res['tok_s'] / 1e3:.1f}k tok/s ({res['step_ms']:.2f} ms/step), {res['frac_of_bound']:.0%} of bound", "",
+            f"~{res['kernels_per_step']} kernels per decode step")
 
 
 def section_engine_peer(rep: Report, wl: Workload, st: dict):
@@ -543,7 +562,8 @@ def main():
     ap.add_argument("--out", default=None, help="write the table and every figure as JSON here")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip optional parts once this much time is spent")
     ap.add_argument("--sections",
-                    default="env,qdq,attention,learner,engine,fp8,learner_peer,engine_peer,learner_einsum")
+                    default="env,qdq,attention,learner,engine,fp8,learner_peer,engine_peer,engine_merge,"
+                            "learner_einsum")
     a = ap.parse_args()
     wl = SMALL if a.small else FULL
     rep = Report(a.budget_s)
@@ -553,12 +573,12 @@ def main():
     sections = (("env", section_env, 0), ("qdq", section_qdq, 0), ("attention", section_attention_parity, 0),
                 ("learner", section_learner, 0),
                 ("engine", section_engine, 0), ("fp8", section_fp8, 60), ("learner_peer", section_learner_peer, 60),
-                ("engine_peer", section_engine_peer, 60),
+                ("engine_peer", section_engine_peer, 60), ("engine_merge", section_engine_unmerged, 60),
                 ("learner_einsum", section_learner_einsum, 90))
     for name, fn, min_left in sections:
         if name not in wanted:
             continue
-        needs_engine = name in ("fp8", "engine_peer")
+        needs_engine = name in ("fp8", "engine_peer", "engine_merge")
         if needs_engine and eng_state is None:
             rep.row(name, "skipped", "", "", "needs the engine section's state")
             continue

@@ -14,6 +14,12 @@ no kernel behind this API); "xla", "cudnn" and "einsum" force one. `remat` ("non
 in the backward pass, "dots": keep only matmul outputs) trades compute for activation memory.
 `return_hidden=True` returns the final-norm hidden states instead of logits, for log-probs computed in chunks
 (`opdjax.logprobs.chunked_token_logprobs`) so that [B, T, V] logits never exist at once.
+
+Merged projections (`merge_projections`): q/k/v and gate/up read the same input, so each group can run as one
+matmul against its kernels concatenated along the output axis (2 matmuls per layer where there were 5). Every
+output is the same dot product; only the matmul's shape, and so possibly its rounding, changes. An inference
+engine on GPU wants fewer, larger kernels (a decode step is a chain of small ones); XLA:CPU runs the separate dots
+of a group concurrently on its threads and is faster without merging.
 """
 
 from __future__ import annotations
@@ -54,6 +60,20 @@ class ForwardQuant(Protocol):
     def act(self, module: str, x: Array) -> Array: ...
 
     def kv(self, layer: int, kind: str, x_BTKD: Array) -> Array: ...
+
+    def quantizes(self, module: str) -> bool: ...
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MergedProjections:
+    """One layer's projections that share an input, concatenated along the output axis (`merge_projections`):
+    qkv_kernel [E, (H + 2K) D] = [q | k | v] (qkv_bias likewise, when the model has q/k/v biases) and
+    gate_up_kernel [E, 2F] = [gate | up]. None where a group stays separate."""
+
+    qkv_kernel: Array | None
+    qkv_bias: Array | None
+    gate_up_kernel: Array | None
 
 
 @jax.tree_util.register_dataclass
@@ -152,7 +172,23 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x_BTE, cos, sin, k_cache, v_cache, visible_BTS, index, quant, fused: str | None = None):
+    def project_qkv(self, x_BTE: Array, quant: ForwardQuant | None,
+                    merged: MergedProjections | None = None) -> tuple[Array, Array, Array]:
+        """q [B, T, H*D], k and v [B, T, K*D]: three matmuls, or one against merged.qkv_kernel (the input through
+        the activation hook once: the group's modules are quantized alike, or it would not be merged)."""
+        if merged is None or merged.qkv_kernel is None:
+            return self.q(x_BTE, quant), self.k(x_BTE, quant), self.v(x_BTE, quant)
+        if quant is not None:
+            x_BTE = quant.act(self.q.name, x_BTE)
+        y = jnp.dot(x_BTE.astype(self.dtype), merged.qkv_kernel.astype(self.dtype))
+        if merged.qkv_bias is not None:
+            y = y + merged.qkv_bias.astype(self.dtype)
+        HD, KD = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
+        q, k, v = jnp.split(y, [HD, HD + KD], axis=-1)
+        return q, k, v
+
+    def __call__(self, x_BTE, cos, sin, k_cache, v_cache, visible_BTS, index, quant, fused: str | None = None,
+                 merged: MergedProjections | None = None):
         """Attend from T new tokens to the keys visible_BTS marks.
 
         With a cache (k_cache, v_cache [B, K, S, D]) the new keys/values are written at slots index..index+T and
@@ -163,9 +199,8 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x_BTE.shape
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q = self.q(x_BTE, quant).reshape(B, T, H, D)
-        k = self.k(x_BTE, quant).reshape(B, T, K, D)
-        v = self.v(x_BTE, quant).reshape(B, T, K, D)
+        q, k, v = self.project_qkv(x_BTE, quant, merged)
+        q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -206,8 +241,14 @@ class MLP(nnx.Module):
         self.up = Linear(E, F, ("embed", "mlp"), name=f"{pre}.up_proj", **kw)
         self.down = Linear(F, E, ("mlp", "embed"), name=f"{pre}.down_proj", **kw)
 
-    def __call__(self, x, quant):
-        return self.down(jax.nn.silu(self.gate(x, quant)) * self.up(x, quant), quant)
+    def __call__(self, x, quant, merged: MergedProjections | None = None):
+        if merged is None or merged.gate_up_kernel is None:
+            g, u = self.gate(x, quant), self.up(x, quant)
+        else:  # one matmul against [gate | up]
+            xa = quant.act(self.gate.name, x) if quant is not None else x
+            g, u = jnp.split(jnp.dot(xa.astype(self.gate.dtype), merged.gate_up_kernel.astype(self.gate.dtype)), 2,
+                             axis=-1)
+        return self.down(jax.nn.silu(g) * u, quant)
 
 
 class Block(nnx.Module):
@@ -218,11 +259,11 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, layer, rngs=rngs, **kw)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, visible_BTS, index, quant, fused=None):
+    def __call__(self, x, cos, sin, k_cache, v_cache, visible_BTS, index, quant, fused=None, merged=None):
         h, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, visible_BTS, index, quant,
-                                        fused)
+                                        fused, merged)
         x = x + h
-        x = x + self.mlp(self.mlp_norm(x), quant)
+        x = x + self.mlp(self.mlp_norm(x), quant, merged)
         return x, k_cache, v_cache
 
 
@@ -257,12 +298,14 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens_BT: Array, *, positions_BT: Array | None = None, valid_BT: Array | None = None,
                  cache: KVCache | None = None, quant: ForwardQuant | None = None,
-                 return_hidden: bool = False) -> tuple[Array, KVCache | None]:
+                 return_hidden: bool = False,
+                 merged: tuple[MergedProjections, ...] | None = None) -> tuple[Array, KVCache | None]:
         """Logits [B, T, V] in f32 (or, return_hidden=True, final-norm hidden states [B, T, E] in the compute dtype)
         and the updated cache (None when called without one).
 
         valid_BT marks real tokens (False = padding; padded keys are never attended to). positions default to
         the number of real tokens before each one (counting those already in the cache), so left padding works.
+        merged: per-layer `merge_projections(self, quant)`, computed once outside a decode loop.
         """
         cfg = self.cfg
         B, T = tokens_BT.shape
@@ -288,8 +331,8 @@ class Decoder(nnx.Module):
         cos, sin = rope_cos_sin(cfg, positions_BT)
         x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
 
-        def run(block, x, cos, sin, k, v, visible_BTS, index):
-            return block(x, cos, sin, k, v, visible_BTS, index, quant, fused)
+        def run(block, x, cos, sin, k, v, visible_BTS, index, merged_i):
+            return block(x, cos, sin, k, v, visible_BTS, index, quant, fused, merged_i)
 
         if self.remat != "none":
             policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if self.remat == "dots" else None
@@ -297,7 +340,8 @@ class Decoder(nnx.Module):
         ks, vs = [], []
         for i, block in enumerate(self.layers):
             k_i, v_i = (cache.k[i], cache.v[i]) if use_cache else (None, None)
-            x, k_i, v_i = run(block, x, cos, sin, k_i, v_i, visible_BTS, index)
+            m_i = None if merged is None else merged[i]
+            x, k_i, v_i = run(block, x, cos, sin, k_i, v_i, visible_BTS, index, m_i)
             ks.append(k_i)
             vs.append(v_i)
         x = self.norm(x)
@@ -312,6 +356,29 @@ class Decoder(nnx.Module):
         if quant is not None and self.lm_head is not None:
             h_BTE = quant.act(self.lm_head.name, h_BTE)
         return jnp.dot(h_BTE.astype(self.dtype), self.lm_head_kernel()).astype(jnp.float32)
+
+
+def merge_projections(model: Decoder, quant: ForwardQuant | None = None) -> tuple[MergedProjections, ...]:
+    """Per layer, [q | k | v] and [gate | up] kernels concatenated along the output axis, for `Decoder(merged=...)`.
+
+    A group is merged only when the activation hook treats its modules alike (all quantized or none), since the
+    merged matmul passes its input through the hook once. Costs one copy of those kernels: compute it once per
+    set of weights (an engine: once per generate, outside the decode loop).
+    """
+    def alike(*modules) -> bool:
+        return quant is None or len({quant.quantizes(m.name) for m in modules}) == 1
+
+    out = []
+    for block in model.layers:
+        a, m = block.attn, block.mlp
+        qkv = alike(a.q, a.k, a.v)
+        out.append(MergedProjections(
+            qkv_kernel=jnp.concatenate([a.q.kernel[...], a.k.kernel[...], a.v.kernel[...]], axis=1) if qkv else None,
+            qkv_bias=jnp.concatenate([a.q.bias[...], a.k.bias[...], a.v.bias[...]])
+            if qkv and a.q.bias is not None else None,
+            gate_up_kernel=jnp.concatenate([m.gate.kernel[...], m.up.kernel[...]], axis=1)
+            if alike(m.gate, m.up) else None))
+    return tuple(out)
 
 
 def create(cfg: ModelConfig, seed: int = 0, *, dtype=jnp.float32, param_dtype=jnp.float32, attention: str = "auto",

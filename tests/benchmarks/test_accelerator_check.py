@@ -15,7 +15,7 @@ def test_accelerator_check_small_mode_runs_every_section(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "accelerator_check.py"), "--small",
-                           "--out", str(out), "--sections", "env,qdq,attention,learner,engine,fp8"],
+                           "--out", str(out), "--sections", "env,qdq,attention,learner,engine,fp8,engine_merge"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -26,6 +26,10 @@ def test_accelerator_check_small_mode_runs_every_section(tmp_path):
     assert fig["qdq_float32"]["changed"] > 0.9 and fig["qdq_bfloat16"]["changed"] > 0.5
     assert fig["check_effective_bad"] == []
     assert fig["learner"]["tok_s"] > 0 and fig["engine"]["tok_s"] > 0
+    # CPU default: separate projections; the merged decode step launches fewer kernels (3 fewer matmuls per layer)
+    assert fig["engine"]["merge_projections"] is False and fig["engine_merge_on"]["tok_s"] > 0
+    assert isinstance(fig["engine"]["kernels_per_step"], int), fig["engine"]["kernels_per_step"]
+    assert fig["engine_merge_on"]["kernels_per_step"] < fig["engine"]["kernels_per_step"]
     assert fig["attention_parity"]["impl"] == "xla" and fig["attention_parity"]["max_abs_diff"] < 0.05
     # simulated and "real" (torch's own FP8 casts on CPU) k3 of the same tokens: positive and of one magnitude
     sim, real = fig["fp8"]["sim"], fig["fp8"]["real"]

@@ -391,6 +391,42 @@ def test_quantized_decode_matches_quantized_score(model):
     assert np.median(d) < 1e-5 and np.mean(d < 1e-4) > 0.8 and d.max() < 0.1, (np.median(d), d.max())
 
 
+def _matmuls_in_generate(eng: JaxEngine, prompts, sampling: SamplingParams) -> int:
+    """dot_general ops in the lowered generate program (prefill + decode step) for these prompts."""
+    params, _ = eng._snapshot()
+    P, B = jax_engine.bucket_len(max(map(len, prompts))), jax_engine.bucket_batch(len(prompts))
+    lowered = jax_engine._generate_jit.lower(
+        params, jnp.zeros((B, P), jnp.int32), jnp.ones((B, P), bool), jnp.uint32(0), cfg=eng.cfg,
+        graphdef=eng.graphdef, hooks=eng.hooks, sampling=sampling, stop_ids=(), pad_id=eng.pad_id,
+        cache_dtype=eng.cache_dtype, merge=eng.merge_projections)
+    return lowered.as_text().count("stablehlo.dot_general")
+
+
+def test_merged_projections_serve_the_same_distribution_with_fewer_matmuls(model, engine):
+    """merge_projections: q/k/v and gate/up run as one matmul each, with the same log-probs (to f32 rounding) and
+    greedy tokens, unquantized and under W8A8; a group whose modules a recipe quantizes differently stays
+    separate. The lowered generate has 3 fewer matmuls per layer in the prefill and 3 in the decode step (1 and 1
+    when only gate/up merge). Off by default on CPU, on elsewhere."""
+    cfg, g, s, *_ = model
+    assert engine.merge_projections is False
+    assert jax_engine.default_merge_projections("gpu") and jax_engine.default_merge_projections("tpu")
+    tokens, valid = _probe(model)
+    m = valid[:, 1:] & valid[:, :-1]
+    q_only = quant.Recipe(name="q_only", weights=(("*.q_proj", quant.QSpec("e4m3", "tensor")),),
+                          activations=quant.QSpec("e4m3", "token"))
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    L = cfg.num_layers
+    for recipe, fewer in ((None, 6 * L), ("fp8_w8a8", 6 * L), (q_only, 2 * L)):
+        sep = JaxEngine(cfg, s, graphdef=g, recipe=recipe)
+        mer = JaxEngine(cfg, s, graphdef=g, recipe=recipe, merge_projections=True)
+        d = np.abs(mer.score(tokens, valid)["logp_BT"] - sep.score(tokens, valid)["logp_BT"])[:, 1:][m]
+        assert np.median(d) < 1e-6 and d.max() < (1e-5 if recipe is None else 0.1), (recipe, d.max())
+        if recipe is None:
+            np.testing.assert_array_equal(mer.generate(PROMPTS, greedy, seed=0).tokens_BT,
+                                          sep.generate(PROMPTS, greedy, seed=0).tokens_BT)
+        assert _matmuls_in_generate(sep, PROMPTS, greedy) - _matmuls_in_generate(mer, PROMPTS, greedy) == fewer
+
+
 def test_mesh_sharded_engine_matches_single_device(model, engine, cpu_devices):
     from opdjax.models.sharding import make_mesh
     cfg, g, s, *_ = model
