@@ -13,7 +13,8 @@ torch; no vLLM). Prints a markdown table (and writes it, with every figure, as J
             bf16 matmul rate measured in this run; peer: transformers + torch (bf16 autocast, sdpa, fused AdamW).
   engine    JaxEngine decode, bf16, batch 64, 64-token prompts, 256 new tokens: tokens/s, ms per step, and the HBM
             bound per step (weights once + the filled KV cache, at the copy bandwidth measured in this run);
-            peer: HF generate with a static cache; the same decode with the other merge_projections setting.
+            peer: HF generate with a static cache; the same decode with the other merge_projections setting and
+            with decode_attention="pallas".
   fp8       k3 between bf16 and FP8 log-probs of the same tokens, per recipe (fp8_w8a8, fp8_weights_only):
             simulated (JaxEngine.score with the recipe) vs real FP8 matmuls (torch._scaled_mm: FP8 weights with a
             per-tensor scale, FP8 activations with a per-token scale; weights-only: FP8 weights dequantized into a
@@ -360,10 +361,12 @@ def _kernels_in_loop_body(hlo: str) -> int:
     return max((sum(1 for op in comps.get(b, []) if kinds.search(op)) for b in bodies), default=0)
 
 
-def _engine_decode(rep: Report, wl: Workload, params, merge_projections: bool | None = None) -> dict:
+def _engine_decode(rep: Report, wl: Workload, params, merge_projections: bool | None = None,
+                   decode_attention: str = "einsum") -> dict:
     """Time JaxEngine.generate on the workload; tokens/s, ms per step, the HBM bound and kernels per decode step."""
     cfg = wl.cfg
-    eng = JaxEngine(cfg, params, dtype=jnp.bfloat16, eos_id=None, merge_projections=merge_projections)
+    eng = JaxEngine(cfg, params, dtype=jnp.bfloat16, eos_id=None, merge_projections=merge_projections,
+                    decode_attention=decode_attention)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, cfg.vocab_size, wl.gen_prompt).tolist() for _ in range(wl.gen_batch)]
     sp = SamplingParams(max_new_tokens=wl.gen_new, temperature=1.0)
@@ -382,7 +385,7 @@ def _engine_decode(rep: Report, wl: Workload, params, merge_projections: bool | 
     bound_ms = (weight_bytes + kv_bytes) / bw * 1e3
     res = dict(tok_s=n_tok / dt, step_ms=step_ms, bound_ms=bound_ms, frac_of_bound=bound_ms / step_ms,
                compile_s=compile_s, weight_mb=weight_bytes / 2**20, kv_mb=kv_bytes / 2**20,
-               merge_projections=eng.merge_projections)
+               merge_projections=eng.merge_projections, decode_attention=decode_attention)
     try:
         from opdjax.rollout import jax_engine as je
 
@@ -391,7 +394,7 @@ def _engine_decode(rep: Report, wl: Workload, params, merge_projections: bool | 
         lowered = je._generate_jit.lower(
             snap, jnp.zeros((B, P), jnp.int32), jnp.ones((B, P), bool), jnp.uint32(0), cfg=cfg,
             graphdef=eng.graphdef, hooks=None, sampling=sp, stop_ids=(), pad_id=eng.pad_id,
-            cache_dtype=eng.cache_dtype, merge=eng.merge_projections)
+            cache_dtype=eng.cache_dtype, merge=eng.merge_projections, decode_attention=decode_attention)
         res["kernels_per_step"] = _kernels_in_loop_body(lowered.compile().as_text())
     except Exception as e:  # noqa: BLE001 - diagnostics only
         res["kernels_per_step"] = f"n/a ({type(e).__name__})"
@@ -411,14 +414,25 @@ def section_engine(rep: Report, wl: Workload) -> dict:
     return dict(st, params=params)
 
 
+def _engine_variant(rep: Report, wl: Workload, st: dict, key: str, label: str, **engine_kw):
+    res = _engine_decode(rep, wl, st["params"], **engine_kw)["res"]
+    rep.figures[key] = res
+    rep.row("engine", f"same decode, {label}",
+            f"{res['tok_s'] / 1e3:.1f}k tok/s ({res['step_ms']:.2f} ms/step), {res['frac_of_bound']:.0%} of bound", "",
+            f"~{res['kernels_per_step']} kernels per decode step")
+
+
 def section_engine_unmerged(rep: Report, wl: Workload, st: dict):
     """The same decode with the other `merge_projections` setting (q/k/v and gate/up separate or merged)."""
     other = not st["res"]["merge_projections"]
-    res = _engine_decode(rep, wl, st["params"], merge_projections=other)["res"]
-    rep.figures["engine_merge_" + ("on" if other else "off")] = res
-    rep.row("engine", f"same decode, merged projections {'on' if other else 'off'}",
-            f"{res['tok_s'] / 1e3:.1f}k tok/s ({res['step_ms']:.2f} ms/step), {res['frac_of_bound']:.0%} of bound", "",
-            f"~{res['kernels_per_step']} kernels per decode step")
+    _engine_variant(rep, wl, st, "engine_merge_" + ("on" if other else "off"),
+                    f"merged projections {'on' if other else 'off'}", merge_projections=other)
+
+
+def section_engine_pallas(rep: Report, wl: Workload, st: dict):
+    """The same decode with JaxEngine(decode_attention="pallas"): the flash-decoding kernel over the filled slots."""
+    _engine_variant(rep, wl, st, "engine_pallas", "Pallas decode attention (filled slots only)",
+                    decode_attention="pallas")
 
 
 def section_engine_peer(rep: Report, wl: Workload, st: dict):
@@ -563,7 +577,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip optional parts once this much time is spent")
     ap.add_argument("--sections",
                     default="env,qdq,attention,learner,engine,fp8,learner_peer,engine_peer,engine_merge,"
-                            "learner_einsum")
+                            "engine_pallas,learner_einsum")
     a = ap.parse_args()
     wl = SMALL if a.small else FULL
     rep = Report(a.budget_s)
@@ -574,11 +588,12 @@ def main():
                 ("learner", section_learner, 0),
                 ("engine", section_engine, 0), ("fp8", section_fp8, 60), ("learner_peer", section_learner_peer, 60),
                 ("engine_peer", section_engine_peer, 60), ("engine_merge", section_engine_unmerged, 60),
+                ("engine_pallas", section_engine_pallas, 60),
                 ("learner_einsum", section_learner_einsum, 90))
     for name, fn, min_left in sections:
         if name not in wanted:
             continue
-        needs_engine = name in ("fp8", "engine_peer", "engine_merge")
+        needs_engine = name in ("fp8", "engine_peer", "engine_merge", "engine_pallas")
         if needs_engine and eng_state is None:
             rep.row(name, "skipped", "", "", "needs the engine section's state")
             continue

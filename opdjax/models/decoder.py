@@ -20,11 +20,15 @@ matmul against its kernels concatenated along the output axis (2 matmuls per lay
 output is the same dot product; only the matmul's shape, and so possibly its rounding, changes. An inference
 engine on GPU wants fewer, larger kernels (a decode step is a chain of small ones); XLA:CPU runs the separate dots
 of a group concurrently on its threads and is faster without merging.
+
+Decode attention (`decode_attention`, one query per row through a cache): "einsum" (every cache slot, masked) or
+"pallas", JAX's Pallas flash-decoding kernel (`pallas_decode_attention`), which reads only the filled slots.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Protocol
 
 import jax
@@ -36,6 +40,8 @@ from opdjax.models.config import ModelConfig, rope_inv_freq
 Array = jax.Array
 _MASKED = -1e30  # finite, so a query with no visible key gives a uniform (not NaN) softmax
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "einsum")
+DECODE_ATTENTION_IMPLS = ("einsum", "pallas")
+PALLAS_DECODE_SPLIT = 64  # cache slots per program of the Pallas decode kernel; its caches are a multiple of this
 REMAT_POLICIES = ("none", "block", "dots")
 
 
@@ -138,6 +144,35 @@ class RMSNorm(nnx.Module):
         return self.scale[...].astype(self.dtype) * y.astype(self.dtype)
 
 
+def pallas_decode_attention(q_BKGD: Array, k_BKSD: Array, v_BKSD: Array, start_B: Array, end: Array, *,
+                            interpret: bool | None = None) -> Array:
+    """out[b, k, g] = softmax_s(q[b, k, g] . k[b, k, s] / sqrt(D)) v[b, k, s] over slots start_b <= s < end: one
+    query per row and query head (G per KV head), [B, K, G, D] in q's dtype.
+
+    JAX's Pallas flash-decoding kernel (`jax.experimental.pallas.ops.gpu.decode_attention`, Triton on GPU), called
+    per (row, KV head) on the cache's own [B, K, S, D] layout: the S slots are split in chunks of
+    `PALLAS_DECODE_SPLIT` (S must be a multiple), each program loads only the slots of its chunk inside
+    [start, end) — attention over the filled part of the cache, not all S slots — and the chunks' partial
+    softmaxes are combined after. interpret (default: on any backend but GPU) runs the kernel as plain JAX ops.
+    """
+    from jax.experimental.pallas.ops.gpu import decode_attention as pallas_decode
+
+    B, K, G, D = q_BKGD.shape
+    S = k_BKSD.shape[2]
+    if S % PALLAS_DECODE_SPLIT:
+        raise ValueError(f"pallas decode attention needs a cache length that is a multiple of "
+                         f"{PALLAS_DECODE_SPLIT}, got {S}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    one = functools.partial(pallas_decode.decode_attn_unbatched, sm_scale=D**-0.5, block_h=16,
+                            block_k=PALLAS_DECODE_SPLIT, k_splits=S // PALLAS_DECODE_SPLIT, num_warps=None,
+                            num_stages=2, grid=None, interpret=interpret, debug=False, return_residuals=False,
+                            normalize_output=True)
+    start_BK = jnp.broadcast_to(start_B.astype(jnp.int32)[:, None], (B, K))
+    end_BK = jnp.broadcast_to(jnp.asarray(end, jnp.int32), (B, K))
+    return jax.vmap(jax.vmap(one))(q_BKGD, k_BKSD, v_BKSD, start_BK, end_BK)
+
+
 def rope_cos_sin(cfg: ModelConfig, positions_BT: Array) -> tuple[Array, Array]:
     """cos, sin [B, T, D] for positions, frequencies repeated twice along D (HF's rotate-half layout)."""
     inv = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
@@ -188,12 +223,13 @@ class Attention(nnx.Module):
         return q, k, v
 
     def __call__(self, x_BTE, cos, sin, k_cache, v_cache, visible_BTS, index, quant, fused: str | None = None,
-                 merged: MergedProjections | None = None):
+                 merged: MergedProjections | None = None, span: tuple[Array, Array] | None = None):
         """Attend from T new tokens to the keys visible_BTS marks.
 
         With a cache (k_cache, v_cache [B, K, S, D]) the new keys/values are written at slots index..index+T and
-        the queries attend over all S slots through einsums. Without one (None: the cache-free forward, S == T)
-        the keys are the T new ones, through `jax.nn.dot_product_attention` when `fused` names its
+        the queries attend over all S slots through einsums, or (fused "pallas", T = 1) over the slots
+        span = (start_B, end) only, through `pallas_decode_attention`. Without one (None: the cache-free forward,
+        S == T) the keys are the T new ones, through `jax.nn.dot_product_attention` when `fused` names its
         implementation ("xla" / "cudnn"), else the same einsums.
         """
         cfg = self.cfg
@@ -220,6 +256,10 @@ class Attention(nnx.Module):
             v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype),
                                                    (0, 0, index, 0))
             k_all, v_all = k_cache, v_cache
+            if fused == "pallas":
+                out = pallas_decode_attention(q.reshape(B, K, H // K, D).astype(k_cache.dtype), k_cache, v_cache,
+                                              *span)
+                return self.o(out.reshape(B, T, H * D).astype(dt), quant), k_cache, v_cache
         qg = q.reshape(B, T, K, H // K, D)
         scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_all.astype(dt)).astype(jnp.float32) * D**-0.5
         scores = jnp.where(visible_BTS[:, None, None, :, :], scores, _MASKED)
@@ -259,9 +299,10 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, layer, rngs=rngs, **kw)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, visible_BTS, index, quant, fused=None, merged=None):
+    def __call__(self, x, cos, sin, k_cache, v_cache, visible_BTS, index, quant, fused=None, merged=None,
+                 span=None):
         h, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, visible_BTS, index, quant,
-                                        fused, merged)
+                                        fused, merged, span)
         x = x + h
         x = x + self.mlp(self.mlp_norm(x), quant, merged)
         return x, k_cache, v_cache
@@ -298,15 +339,21 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens_BT: Array, *, positions_BT: Array | None = None, valid_BT: Array | None = None,
                  cache: KVCache | None = None, quant: ForwardQuant | None = None,
-                 return_hidden: bool = False,
-                 merged: tuple[MergedProjections, ...] | None = None) -> tuple[Array, KVCache | None]:
+                 return_hidden: bool = False, merged: tuple[MergedProjections, ...] | None = None,
+                 decode_attention: str = "einsum") -> tuple[Array, KVCache | None]:
         """Logits [B, T, V] in f32 (or, return_hidden=True, final-norm hidden states [B, T, E] in the compute dtype)
         and the updated cache (None when called without one).
 
         valid_BT marks real tokens (False = padding; padded keys are never attended to). positions default to
         the number of real tokens before each one (counting those already in the cache), so left padding works.
         merged: per-layer `merge_projections(self, quant)`, computed once outside a decode loop.
+        decode_attention: "pallas" runs a one-token step through a cache with `pallas_decode_attention` over slots
+        [first valid slot, index] of each row, which must be contiguous (left-padded prompts, as JaxEngine lays
+        them out; a finished row's later slots may be invalid: its output is unused); "einsum" masks every slot.
         """
+        if decode_attention not in DECODE_ATTENTION_IMPLS:
+            raise ValueError(f"decode_attention={decode_attention!r} is not valid; choose one of "
+                             f"{list(DECODE_ATTENTION_IMPLS)}")
         cfg = self.cfg
         B, T = tokens_BT.shape
         valid_BT = jnp.ones((B, T), bool) if valid_BT is None else valid_BT.astype(bool)
@@ -319,7 +366,8 @@ class Decoder(nnx.Module):
             valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, valid_BT, (0, index))
             S = valid_BS.shape[1]
             q_slot_T = index + jnp.arange(T)
-            fused = None
+            fused = "pallas" if decode_attention == "pallas" and T == 1 else None
+            span = (jnp.argmax(valid_BS, axis=1), index + 1) if fused == "pallas" else None
         else:  # a cache-free forward: causal self-attention over the T tokens
             index = jnp.zeros((), jnp.int32)
             if positions_BT is None:
@@ -327,12 +375,13 @@ class Decoder(nnx.Module):
             valid_BS, S, q_slot_T = valid_BT, T, jnp.arange(T)
             impl = resolve_attention(self.attention, self.dtype, cfg.head_dim)
             fused = None if impl == "einsum" else impl
+            span = None
         visible_BTS = (jnp.arange(S)[None, None, :] <= q_slot_T[None, :, None]) & valid_BS[:, None, :]
         cos, sin = rope_cos_sin(cfg, positions_BT)
         x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
 
         def run(block, x, cos, sin, k, v, visible_BTS, index, merged_i):
-            return block(x, cos, sin, k, v, visible_BTS, index, quant, fused, merged_i)
+            return block(x, cos, sin, k, v, visible_BTS, index, quant, fused, merged_i, span)
 
         if self.remat != "none":
             policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if self.remat == "dots" else None

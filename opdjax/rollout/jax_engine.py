@@ -190,21 +190,25 @@ def _is_stop(tok_B: Array, stop_ids: tuple[int, ...]) -> Array:
 # Jitted generation and scoring (static: model graph, hooks, sampling; arguments: weights and data)
 # ----------------------------------------------------------------------------------------------------------------------
 
-_GENERATE_STATIC = ("cfg", "graphdef", "hooks", "sampling", "stop_ids", "pad_id", "cache_dtype", "merge")
+_GENERATE_STATIC = ("cfg", "graphdef", "hooks", "sampling", "stop_ids", "pad_id", "cache_dtype", "merge",
+                    "decode_attention")
 
 
 @functools.partial(jax.jit, static_argnames=_GENERATE_STATIC)
 def _generate_jit(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sampling, stop_ids, pad_id,
-                  cache_dtype, merge):
+                  cache_dtype, merge, decode_attention="einsum"):
     """Prefill [B, P] into a cache of P + N slots, then decode one token per step until N tokens or all stopped.
-    merge: run q/k/v and gate/up as one matmul each (`decoder.merge_projections`, built once, before the loop).
+    merge: run q/k/v and gate/up as one matmul each (`decoder.merge_projections`, built once, before the loop);
+    decode_attention: the decode step's attention (`decoder.DECODE_ATTENTION_IMPLS`; "pallas" rounds the cache up
+    to a multiple of `decoder.PALLAS_DECODE_SPLIT` slots).
 
     Returns completion tokens [B, N] (pad after a stop), their processed log-probs [B, N] (0 where masked), the
     completion mask [B, N] and the number of decode steps run.
     """
     B, P = tokens_BP.shape
     N = sampling.max_new_tokens
-    cache = decoder.init_cache(cfg, B, P + N, cache_dtype)
+    S = P + N if decode_attention == "einsum" else bucket_len(P + N, decoder.PALLAS_DECODE_SPLIT)
+    cache = decoder.init_cache(cfg, B, S, cache_dtype)
     model = nnx.merge(graphdef, params)
     merged = decoder.merge_projections(model, hooks) if merge else None
     # Prefill: logits only at the last prompt slot (the only one sampled from), never [B, P, V].
@@ -230,7 +234,8 @@ def _generate_jit(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sa
     def body(c):
         i, prev, done, cache, out_tok, out_lp, out_mask = c
         alive = ~done  # rows whose previous token was sampled and was not a stop token
-        logits_B1V, cache = model(prev[:, None], valid_BT=alive[:, None], cache=cache, quant=hooks, merged=merged)
+        logits_B1V, cache = model(prev[:, None], valid_BT=alive[:, None], cache=cache, quant=hooks, merged=merged,
+                                  decode_attention=decode_attention)
         tok, lp = sample(logits_B1V[:, 0], i)
         tok = jnp.where(alive, tok, pad_id)
         lp = jnp.where(alive, lp, 0.0)
@@ -289,6 +294,8 @@ class JaxEngine:
     mesh              optional (data, fsdp, tensor) mesh: weights placed by logical axes, batches over (data, fsdp)
     merge_projections q/k/v and gate/up as one matmul each (`decoder.merge_projections`); None = on except on
                       CPU (`default_merge_projections`)
+    decode_attention  "einsum" (every cache slot, masked) or "pallas" (JAX's Pallas flash-decoding kernel over the
+                      filled slots only; GPU, or interpreted on CPU for tests; not TPU: the kernel is Triton)
 
     Thread-safe: `update_weights` builds the new served weights without blocking generation and swaps them in
     under a lock (updates themselves are serialised); generate/score take one consistent (weights, version)
@@ -302,7 +309,7 @@ class JaxEngine:
                  noise_seed: int = 0, noise_mode: str = "fixed", stale_versions: int = 0, pad_id: int = 0,
                  eos_id: int | None = None,
                  dtype: Any = jnp.float32, cache_dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
-                 merge_projections: bool | None = None):
+                 merge_projections: bool | None = None, decode_attention: str = "einsum"):
         if stale_versions < 0:
             raise ValueError(f"stale_versions must be >= 0, got {stale_versions}")
         if weight_noise < 0:
@@ -328,6 +335,13 @@ class JaxEngine:
         self.eos_id = None if eos_id is None else int(eos_id)
         self.mesh = mesh
         backend = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+        if decode_attention not in decoder.DECODE_ATTENTION_IMPLS:
+            raise ValueError(f"decode_attention must be one of {list(decoder.DECODE_ATTENTION_IMPLS)}, got "
+                             f"{decode_attention!r}")
+        if decode_attention == "pallas" and backend not in ("gpu", "cuda", "rocm", "cpu"):
+            raise ValueError(f"decode_attention='pallas' is JAX's Triton (GPU) decode kernel; it cannot run on "
+                             f"{backend!r}: use 'einsum'")
+        self.decode_attention = decode_attention
         self.merge_projections = (default_merge_projections(backend) if merge_projections is None
                                   else bool(merge_projections))
         abstract_graphdef, self._template = nnx.split(decoder.abstract(cfg, dtype=self.dtype, param_dtype=self.dtype))
@@ -470,7 +484,7 @@ class JaxEngine:
         out_tok, out_lp, out_mask, steps = _generate_jit(
             params, tok_d, valid_d, jnp.uint32(int(seed) & 0xFFFFFFFF), cfg=self.cfg, graphdef=self.graphdef,
             hooks=self.hooks, sampling=sampling, stop_ids=stop_ids, pad_id=self.pad_id, cache_dtype=self.cache_dtype,
-            merge=self.merge_projections)
+            merge=self.merge_projections, decode_attention=self.decode_attention)
         out_tok, out_lp, out_mask = (np.asarray(a)[:n] for a in (out_tok, out_lp, out_mask))
         self.last_stats = {"batch_bucket": B, "prompt_bucket": P, "decode_steps": int(steps)}
         tokens_BT = np.concatenate([tokens_BP[:n], out_tok], axis=1)

@@ -14,8 +14,9 @@ def test_accelerator_check_small_mode_runs_every_section(tmp_path):
     out = tmp_path / "accel.json"
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    wanted = "env,qdq,attention,learner,engine,fp8,engine_merge,engine_pallas"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "accelerator_check.py"), "--small",
-                           "--out", str(out), "--sections", "env,qdq,attention,learner,engine,fp8,engine_merge"],
+                           "--out", str(out), "--sections", wanted],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -30,6 +31,7 @@ def test_accelerator_check_small_mode_runs_every_section(tmp_path):
     assert fig["engine"]["merge_projections"] is False and fig["engine_merge_on"]["tok_s"] > 0
     assert isinstance(fig["engine"]["kernels_per_step"], int), fig["engine"]["kernels_per_step"]
     assert fig["engine_merge_on"]["kernels_per_step"] < fig["engine"]["kernels_per_step"]
+    assert fig["engine_pallas"]["tok_s"] > 0 and fig["engine_pallas"]["decode_attention"] == "pallas"
     assert fig["attention_parity"]["impl"] == "xla" and fig["attention_parity"]["max_abs_diff"] < 0.05
     # simulated and "real" (torch's own FP8 casts on CPU) k3 of the same tokens: positive and of one magnitude
     sim, real = fig["fp8"]["sim"], fig["fp8"]["real"]

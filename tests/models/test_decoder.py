@@ -1,5 +1,5 @@
 """Decoder: merged projections compute what the separate ones compute, for every family (q/k/v biases included),
-with and without a KV cache."""
+with and without a KV cache; the Pallas decode attention is softmax attention over each row's slot span."""
 
 import jax
 import jax.numpy as jnp
@@ -35,3 +35,25 @@ def test_merged_projections_match_separate_ones(family):
     full, _ = model(jnp.concatenate([tokens, tokens[:, :1]], 1), valid_BT=jnp.pad(valid, ((0, 0), (0, 1)),
                                                                                     constant_values=True))
     np.testing.assert_allclose(np.asarray(step[:, 0]), np.asarray(full[:, -1]), atol=1e-5, rtol=0)
+
+
+def test_pallas_decode_attention_is_softmax_attention_over_the_span():
+    """Against a numpy softmax over slots [start_b, end), spans starting mid-split and in a later split, ending
+    mid-split; the slots outside the span hold huge values, so reading any of them would show."""
+    B, K, G, S, D = 3, 2, 3, 2 * decoder.PALLAS_DECODE_SPLIT, 16
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=shape).astype(np.float32) for shape in ((B, K, G, D), (B, K, S, D), (B, K, S, D)))
+    start, end = np.array([5, 0, 70]), 100
+    for b in range(B):
+        k[b, :, :start[b]], v[b, :, :start[b]] = 1e4, 1e4
+    k[:, :, end:], v[:, :, end:] = 1e4, 1e4
+    out = np.asarray(decoder.pallas_decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                                     jnp.asarray(start), jnp.asarray(end)))
+    for b in range(B):
+        s = np.einsum("kgd,ksd->kgs", q[b], k[b, :, start[b]:end]) / np.sqrt(D)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = np.einsum("kgs,ksd->kgd", p / p.sum(-1, keepdims=True), v[b, :, start[b]:end])
+        np.testing.assert_allclose(out[b], want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="multiple of"):
+        decoder.pallas_decode_attention(jnp.asarray(q), jnp.asarray(k[:, :, :100]), jnp.asarray(v[:, :, :100]),
+                                        jnp.asarray(start), jnp.asarray(end))

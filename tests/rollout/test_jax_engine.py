@@ -427,6 +427,25 @@ def test_merged_projections_serve_the_same_distribution_with_fewer_matmuls(model
         assert _matmuls_in_generate(sep, PROMPTS, greedy) - _matmuls_in_generate(mer, PROMPTS, greedy) == fewer
 
 
+def test_pallas_decode_attention_serves_the_same_distribution(model, engine, monkeypatch):
+    """decode_attention="pallas" (JAX's flash-decoding kernel over the filled cache slots only; interpreted on CPU):
+    the rollout log-probs are those of the einsum engine's full-forward score, with left-padded prompts of every
+    length and rows that stop early; the cache is rounded up to whole kernel splits. Bad settings raise."""
+    cfg, g, s, *_ = model
+    caches = []
+    real = decoder.pallas_decode_attention
+    monkeypatch.setattr(decoder, "pallas_decode_attention", lambda q, k, *a: caches.append(k.shape) or real(q, k, *a))
+    eng = JaxEngine(cfg, s, graphdef=g, decode_attention="pallas", eos_id=5)
+    batch = eng.generate(PROMPTS, SAMPLINGS["t1"], seed=3)
+    assert len(caches) == cfg.num_layers and caches[0][2] == decoder.PALLAS_DECODE_SPLIT  # traced once per layer
+    assert batch.completion_mask_BT.sum(1).min() < SAMPLINGS["t1"].max_new_tokens  # some rows stopped at eos 5
+    ref = engine.score(batch.tokens_BT, batch.valid_BT)["logp_BT"]
+    m = batch.completion_mask_BT
+    np.testing.assert_allclose(batch.rollout_logp_BT[m], ref[m], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="decode_attention"):
+        JaxEngine(cfg, s, graphdef=g, decode_attention="flash")
+
+
 def test_mesh_sharded_engine_matches_single_device(model, engine, cpu_devices):
     from opdjax.models.sharding import make_mesh
     cfg, g, s, *_ = model
