@@ -24,7 +24,7 @@ from opdjax.core import corrections, losses
 from opdjax.core.errors import ConfigError  # the one ConfigError (train and model configs)
 from opdjax.data import tasks
 from opdjax.models.config import FAMILIES
-from opdjax.models.decoder import ATTENTION_IMPLS, REMAT_POLICIES
+from opdjax.models.decoder import ATTENTION_IMPLS, DECODE_ATTENTION_IMPLS, REMAT_POLICIES
 from opdjax.models.tiny import SIZES
 from opdjax.quant import Recipe
 from opdjax.rollout.perturb import NOISE_MODES
@@ -106,6 +106,7 @@ class RolloutConfig:
     #                                  rounding (matmul kernels to a per-channel grid of step sigma*max|W|)
     stale_versions: int = 0          # JAX engine serves weights this many versions behind
     dtype: str = "float32"           # engine compute dtype
+    decode_attention: str = "einsum"  # JAX engine decode step: einsum (every cache slot) | pallas (filled slots; GPU)
     seed: int = 0
     vllm: dict = dataclasses.field(default_factory=dict)  # extra vllm.LLM kwargs (kv_cache_dtype, ...)
     endpoints: tuple = ()            # host:port of rollout servers (`opdjax serve`); rows are shared over them
@@ -119,6 +120,7 @@ class RolloutConfig:
         _positive("rollout", "top_k", self.top_k, zero_ok=True)
         _positive("rollout", "weight_noise", self.weight_noise, zero_ok=True)
         _choice("rollout", "noise_mode", self.noise_mode, set(NOISE_MODES))
+        _choice("rollout", "decode_attention", self.decode_attention, set(DECODE_ATTENTION_IMPLS))
         _positive("rollout", "stale_versions", self.stale_versions, zero_ok=True)
         _endpoints("rollout", self.endpoints)
         if not 0 < self.top_p <= 1:

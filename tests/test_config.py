@@ -33,6 +33,7 @@ def test_overrides_and_shortcuts(tmp_path):
     ("optim.lr=-1", "optim.lr must be > 0"),
     ("rollout.top_p=0", r"rollout.top_p must be in \(0, 1\]"),
     ("rollout.noise_mode=sometimes", r"rollout.noise_mode=.sometimes. is not valid; choose one of \[.fixed., .per_version., .rounding.\]"),
+    ("rollout.decode_attention=flash", r"rollout.decode_attention='flash' is not valid; choose one of \['einsum', 'pallas'\]"),
     ("pipeline.mode=sometimes", "pipeline.mode='sometimes' is not valid"),
     ("sync.transport=udp", r"sync.transport='udp' is not valid; choose one of \['auto', 'inproc', 'shm', 'tcp'\]"),
     ("steps", "must look like key=value"),

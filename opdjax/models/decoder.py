@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.pallas.ops.gpu import decode_attention as pallas_decode
 
 from opdjax.models.config import ModelConfig, rope_inv_freq
 
@@ -155,8 +156,6 @@ def pallas_decode_attention(q_BKGD: Array, k_BKSD: Array, v_BKSD: Array, start_B
     [start, end) — attention over the filled part of the cache, not all S slots — and the chunks' partial
     softmaxes are combined after. interpret (default: on any backend but GPU) runs the kernel as plain JAX ops.
     """
-    from jax.experimental.pallas.ops.gpu import decode_attention as pallas_decode
-
     B, K, G, D = q_BKGD.shape
     S = k_BKSD.shape[2]
     if S % PALLAS_DECODE_SPLIT:

@@ -100,7 +100,7 @@ def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, p
         return VllmEngine(student_path, dtype=r.dtype, seed=r.seed,
                           recipe=None if r.recipe == "none" else r.recipe, **r.vllm)
     return JaxEngine(student_cfg, params, recipe=r.recipe, weight_noise=r.weight_noise, noise_seed=r.seed,
-                     noise_mode=r.noise_mode,
+                     noise_mode=r.noise_mode, decode_attention=r.decode_attention,
                      stale_versions=r.stale_versions, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
                      dtype=np.dtype(r.dtype) if r.dtype == "float32" else "bfloat16")
 
