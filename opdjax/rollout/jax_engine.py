@@ -268,12 +268,14 @@ def _score_jit(params, tokens_BT, valid_BT, *, graphdef, hooks, temperature, top
 # The engine
 # ----------------------------------------------------------------------------------------------------------------------
 
-def default_merge_projections(backend: str) -> bool:
+def default_merge_projections(backend: str, mesh: jax.sharding.Mesh | None = None) -> bool:
     """Whether the engine merges q/k/v and gate/up matmuls by default on `backend`: yes on accelerators (a decode
     step is a chain of small kernels; fewer, larger matmuls), no on CPU, where XLA runs a group's separate dots
     concurrently on its threads (measured at the engine benchmark's decode shapes: q/k/v 57 vs 66 us per layer,
-    the MLP 284 vs 364 us, separate vs merged)."""
-    return backend != "cpu"
+    the MLP 284 vs 364 us, separate vs merged), and no on a mesh with a tensor-parallel axis, whose kernels are
+    split along the very output axis the merge concatenates (the merged kernel would be resharded)."""
+    tensor_parallel = mesh is not None and int(dict(mesh.shape).get("tensor", 1)) > 1
+    return backend != "cpu" and not tensor_parallel
 
 
 class JaxEngine:
@@ -293,7 +295,7 @@ class JaxEngine:
     dtype             compute and weight storage dtype; cache_dtype: KV-cache storage dtype (default dtype)
     mesh              optional (data, fsdp, tensor) mesh: weights placed by logical axes, batches over (data, fsdp)
     merge_projections q/k/v and gate/up as one matmul each (`decoder.merge_projections`); None = on except on
-                      CPU (`default_merge_projections`)
+                      CPU and tensor-parallel meshes (`default_merge_projections`)
     decode_attention  "einsum" (every cache slot, masked) or "pallas" (JAX's Pallas flash-decoding kernel over the
                       filled slots only; GPU, or interpreted on CPU for tests; not TPU: the kernel is Triton)
 
@@ -342,7 +344,7 @@ class JaxEngine:
             raise ValueError(f"decode_attention='pallas' is JAX's Triton (GPU) decode kernel; it cannot run on "
                              f"{backend!r}: use 'einsum'")
         self.decode_attention = decode_attention
-        self.merge_projections = (default_merge_projections(backend) if merge_projections is None
+        self.merge_projections = (default_merge_projections(backend, mesh) if merge_projections is None
                                   else bool(merge_projections))
         abstract_graphdef, self._template = nnx.split(decoder.abstract(cfg, dtype=self.dtype, param_dtype=self.dtype))
         self.graphdef = graphdef if graphdef is not None else abstract_graphdef

@@ -410,6 +410,9 @@ def test_merged_projections_serve_the_same_distribution_with_fewer_matmuls(model
     cfg, g, s, *_ = model
     assert engine.merge_projections is False
     assert jax_engine.default_merge_projections("gpu") and jax_engine.default_merge_projections("tpu")
+    from opdjax.models.sharding import make_mesh
+    assert not jax_engine.default_merge_projections("gpu", make_mesh((1, 1, 2), jax.devices()[:2]))
+    assert jax_engine.default_merge_projections("gpu", make_mesh((1, 2, 1), jax.devices()[:2]))
     tokens, valid = _probe(model)
     m = valid[:, 1:] & valid[:, :-1]
     q_only = quant.Recipe(name="q_only", weights=(("*.q_proj", quant.QSpec("e4m3", "tensor")),),
