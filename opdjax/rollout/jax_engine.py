@@ -20,7 +20,8 @@ so rollouts are sampled with weights k versions behind the learner.
 
 Generation: prompts are left-padded to P = ceil8(max prompt length) and the batch to a bucket; one prefill writes
 a KV cache of P + max_new_tokens slots, then a `lax.while_loop` feeds one token per step through the cache and
-stops as soon as every row has sampled a stop token. Sampling follows vLLM: logits / T, top-k, top-p (nucleus),
+stops as soon as every row has sampled a stop token (its attention: `decode_attention`; q/k/v and gate/up as one
+matmul each where `merge_projections`). Sampling follows vLLM: logits / T, top-k, top-p (nucleus),
 renormalise, sample; the returned log-prob is that of the sampled token under this processed distribution
 (`processed_logprobs`). T = 0 is greedy: the argmax of the raw logits, reported with its log-softmax at T = 1.
 
