@@ -406,7 +406,7 @@ def test_merged_projections_serve_the_same_distribution_with_fewer_matmuls(model
     """merge_projections: q/k/v and gate/up run as one matmul each, with the same log-probs (to f32 rounding) and
     greedy tokens, unquantized and under W8A8; a group whose modules a recipe quantizes differently stays
     separate. The lowered generate has 3 fewer matmuls per layer in the prefill and 3 in the decode step (1 and 1
-    when only gate/up merge). Off by default on CPU, on elsewhere."""
+    when only gate/up merge). Off by default on CPU and on tensor-parallel meshes, on elsewhere."""
     cfg, g, s, *_ = model
     assert engine.merge_projections is False
     assert jax_engine.default_merge_projections("gpu") and jax_engine.default_merge_projections("tpu")
