@@ -387,14 +387,7 @@ def _engine_decode(rep: Report, wl: Workload, params, merge_projections: bool | 
                compile_s=compile_s, weight_mb=weight_bytes / 2**20, kv_mb=kv_bytes / 2**20,
                merge_projections=eng.merge_projections, decode_attention=decode_attention)
     try:
-        from opdjax.rollout import jax_engine as je
-
-        B, P = len(prompts), je.bucket_len(wl.gen_prompt)
-        snap, _ = eng._snapshot()
-        lowered = je._generate_jit.lower(
-            snap, jnp.zeros((B, P), jnp.int32), jnp.ones((B, P), bool), jnp.uint32(0), cfg=cfg,
-            graphdef=eng.graphdef, hooks=None, sampling=sp, stop_ids=(), pad_id=eng.pad_id,
-            cache_dtype=eng.cache_dtype, merge=eng.merge_projections, decode_attention=decode_attention)
+        lowered = eng.lower_generate(len(prompts), wl.gen_prompt, sp)
         res["kernels_per_step"] = _kernels_in_loop_body(lowered.compile().as_text())
     except Exception as e:  # noqa: BLE001 - diagnostics only
         res["kernels_per_step"] = f"n/a ({type(e).__name__})"

@@ -197,7 +197,7 @@ _GENERATE_STATIC = ("cfg", "graphdef", "hooks", "sampling", "stop_ids", "pad_id"
 
 @functools.partial(jax.jit, static_argnames=_GENERATE_STATIC)
 def _generate_jit(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sampling, stop_ids, pad_id,
-                  cache_dtype, merge, decode_attention="einsum"):
+                  cache_dtype, merge, decode_attention):
     """Prefill [B, P] into a cache of P + N slots, then decode one token per step until N tokens or all stopped.
     merge: run q/k/v and gate/up as one matmul each (`decoder.merge_projections`, built once, before the loop);
     decode_attention: the decode step's attention (`decoder.DECODE_ATTENTION_IMPLS`; "pallas" rounds the cache up
@@ -327,9 +327,9 @@ class JaxEngine:
         self.cache_dtype = jnp.dtype(cache_dtype if cache_dtype is not None else dtype)
         self.recipe = quant.as_recipe(recipe)
         self.hooks = None if self.recipe.is_noop else forward_quant(self.recipe)
+        backend = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
         if not self.recipe.is_noop:  # never a silent no-op: the rounding must survive this backend's compiler
-            quant.check_effective(self.recipe, self.dtype,
-                                  backend=None if mesh is None else mesh.devices.flat[0].platform)
+            quant.check_effective(self.recipe, self.dtype, backend=backend)
         self.weight_noise = float(weight_noise)
         self.noise_seed = int(noise_seed)
         self.noise_mode = noise_mode
@@ -337,7 +337,6 @@ class JaxEngine:
         self.pad_id = int(pad_id)
         self.eos_id = None if eos_id is None else int(eos_id)
         self.mesh = mesh
-        backend = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
         if decode_attention not in decoder.DECODE_ATTENTION_IMPLS:
             raise ValueError(f"decode_attention must be one of {list(decoder.DECODE_ATTENTION_IMPLS)}, got "
                              f"{decode_attention!r}")
@@ -482,12 +481,9 @@ class JaxEngine:
             tokens_BP[j, P - len(ids):] = ids
             valid_BP[j, P - len(ids):] = True
         valid_BP[n:, -1] = True  # padding rows: one pad token, dropped afterwards
-        stop_ids = tuple(sorted(set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())))
         tok_d, valid_d = self._put(tokens_BP, valid_BP)
-        out_tok, out_lp, out_mask, steps = _generate_jit(
-            params, tok_d, valid_d, jnp.uint32(int(seed) & 0xFFFFFFFF), cfg=self.cfg, graphdef=self.graphdef,
-            hooks=self.hooks, sampling=sampling, stop_ids=stop_ids, pad_id=self.pad_id, cache_dtype=self.cache_dtype,
-            merge=self.merge_projections, decode_attention=self.decode_attention)
+        out_tok, out_lp, out_mask, steps = _generate_jit(params, tok_d, valid_d, jnp.uint32(int(seed) & 0xFFFFFFFF),
+                                                         **self._generate_static(sampling))
         out_tok, out_lp, out_mask = (np.asarray(a)[:n] for a in (out_tok, out_lp, out_mask))
         self.last_stats = {"batch_bucket": B, "prompt_bucket": P, "decode_steps": int(steps)}
         tokens_BT = np.concatenate([tokens_BP[:n], out_tok], axis=1)
@@ -504,6 +500,22 @@ class JaxEngine:
                   "noise_mode": self.noise_mode,
                   "stale_versions": self.stale_versions, "version": version, "prompt_len": P},
         )
+
+    def _generate_static(self, sampling: SamplingParams) -> dict[str, Any]:
+        """The static arguments of `_generate_jit` for this engine and sampling (its stop ids: the sampling's and
+        eos_id)."""
+        stop_ids = tuple(sorted(set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())))
+        return dict(cfg=self.cfg, graphdef=self.graphdef, hooks=self.hooks, sampling=sampling, stop_ids=stop_ids,
+                    pad_id=self.pad_id, cache_dtype=self.cache_dtype, merge=self.merge_projections,
+                    decode_attention=self.decode_attention)
+
+    def lower_generate(self, n_prompts: int, prompt_len: int, sampling: SamplingParams) -> jax.stages.Lowered:
+        """The program `generate` runs (prefill and decode loop) for n_prompts prompts of at most prompt_len tokens,
+        lowered, not run: for inspecting what XLA compiles (`.as_text()`, `.compile().as_text()`)."""
+        params, _ = self._snapshot()
+        B, P = bucket_batch(n_prompts, self._batch_multiple()), bucket_len(prompt_len)
+        tok_d, valid_d = self._put(np.zeros((B, P), np.int32), np.ones((B, P), bool))
+        return _generate_jit.lower(params, tok_d, valid_d, jnp.uint32(0), **self._generate_static(sampling))
 
     # -- scoring -------------------------------------------------------------------------------------------------
     def score(self, tokens_BT: np.ndarray, valid_BT: np.ndarray, *, temperature: float = 1.0,

@@ -70,7 +70,6 @@ def _noisy(w: Array, sigma: Any, key: Array, mode: str) -> Array:
     return (w32 + std * jax.random.normal(key, w.shape, jnp.float32)).astype(w.dtype)
 
 
-
 @jax.jit
 def round_to_grid(w_IO: Array, step: Any) -> Array:
     """Round a kernel [in, out] to a per-output-channel uniform grid: s_o = step * max_i |w[i, o]|,

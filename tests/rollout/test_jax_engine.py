@@ -393,13 +393,7 @@ def test_quantized_decode_matches_quantized_score(model):
 
 def _matmuls_in_generate(eng: JaxEngine, prompts, sampling: SamplingParams) -> int:
     """dot_general ops in the lowered generate program (prefill + decode step) for these prompts."""
-    params, _ = eng._snapshot()
-    P, B = jax_engine.bucket_len(max(map(len, prompts))), jax_engine.bucket_batch(len(prompts))
-    lowered = jax_engine._generate_jit.lower(
-        params, jnp.zeros((B, P), jnp.int32), jnp.ones((B, P), bool), jnp.uint32(0), cfg=eng.cfg,
-        graphdef=eng.graphdef, hooks=eng.hooks, sampling=sampling, stop_ids=(), pad_id=eng.pad_id,
-        cache_dtype=eng.cache_dtype, merge=eng.merge_projections)
-    return lowered.as_text().count("stablehlo.dot_general")
+    return eng.lower_generate(len(prompts), max(map(len, prompts)), sampling).as_text().count("stablehlo.dot_general")
 
 
 def test_merged_projections_serve_the_same_distribution_with_fewer_matmuls(model, engine):
