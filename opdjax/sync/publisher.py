@@ -3,7 +3,8 @@
 `hf_stream` walks the HF name table (`opdjax.models.hf.name_map`, the same table checkpoints use) in layer order
 and yields (HF name, HF-layout array, extra) for every tensor: unquantized tensors cast to the wire dtype (bf16 or
 f32; the cast runs in JAX, so it rounds exactly as the learner's own cast), and, for the modules a quantization
-recipe quantizes, the FP8 weight and its float32 scale made by `opdjax.quant.quantize_named` from the cast weight
+recipe quantizes, the FP8 weight and its float32 scale made by `opdjax.quant.quantize` from the cast weight (the
+shards of a vLLM fused layer with one shared scale, `quant.shared_scale`)
 (the same quantizer the JaxEngine simulation uses, so the engine's dequantized weight equals the simulated one
 bit-for-bit). Sharded arrays that are not fully addressable are all-gathered first (every process must call;
 only process 0 publishes).
@@ -70,7 +71,8 @@ def hf_stream(cfg: ModelConfig, params: nnx.State | Mapping[str, Any], *, dtype:
             yield name, (x.T if (t == "T" and not in_hf_layout) else x), {}
             continue
         x_io = x.T if (t == "T" and in_hf_layout) else x  # quantizers work on opdjax's [in, out]
-        q, s = quant.quantize_named(rec, {name: x_io})[name]
+        shared = quant.shared_scale(rec, name, lambda n: _cast(_gathered(get(n)), dt))  # a fused layer's one scale
+        q, s = quant.quantize(x_io, spec.fmt, spec.granularity, block=spec.block, scale=shared)
         meta = spec.to_dict()
         if spec.granularity == "block":
             meta["block"] = [spec.block[1], spec.block[0]]

@@ -299,9 +299,33 @@ def test_default_recipe_quantizes_linear_weights_only(dtype):
         assert out[name].dtype == arr.dtype and out[name].shape == arr.shape
         if name.endswith(LINEAR_SUFFIXES):
             assert not np.array_equal(bits(out[name]), bits(arr)), name
-            np.testing.assert_array_equal(bits(out[name]), bits(Q.qdq(arr, "e4m3", "tensor")))
+            shards = Q.fused_shards(name) or (name,)  # vLLM's fused qkv / gate_up: one scale over the shards
+            amax = max(np.abs(np.asarray(named[n], np.float32)).max() for n in shards)
+            scale = np.float32(amax) * np.float32(1 / 448)
+            np.testing.assert_array_equal(bits(out[name]), bits(Q.qdq(arr, "e4m3", "tensor", scale=scale)))
         else:  # embed, lm_head, norms, q/k norms, biases
             assert out[name] is arr, name
+
+
+def test_fused_scales_match_what_vllm_serves_and_can_be_turned_off():
+    """q/k/v and gate/up share one scale (amax over the concatenation / 448, as vLLM's online FP8 re-quantizes a
+    fused layer); o/down keep their own; fused_scales=false gives one scale per HF tensor; a recipe file says so."""
+    assert Q.fused_shards("model.layers.3.self_attn.k_proj.weight") == tuple(
+        f"model.layers.3.self_attn.{m}_proj.weight" for m in "qkv")
+    assert Q.fused_shards("model.layers.3.mlp.up_proj.weight") == ("model.layers.3.mlp.gate_proj.weight",
+                                                                   "model.layers.3.mlp.up_proj.weight")
+    assert Q.fused_shards("model.layers.3.mlp.down_proj.weight") == () == Q.fused_shards("lm_head.weight")
+    named = _tiny_named()
+    named["model.layers.0.self_attn.v_proj.weight"] = named["model.layers.0.self_attn.v_proj.weight"] * 50.0
+    fused = Q.quantize_named(Q.FP8_DEFAULT, named)
+    own = Q.quantize_named(Q.FP8_DEFAULT.replace(fused_scales=False), named)
+    sq, sk, sv = (float(fused[f"model.layers.0.self_attn.{m}_proj.weight"][1]) for m in "qkv")
+    assert sq == sk == sv == pytest.approx(np.abs(np.asarray(named["model.layers.0.self_attn.v_proj.weight"])).max()
+                                           / 448, rel=1e-6)
+    assert float(own["model.layers.0.self_attn.q_proj.weight"][1]) < sq / 10  # its own, much smaller amax
+    assert Q.Recipe.from_dict({"base": "fp8_w8a8", "fused_scales": False}).fused_scales is False
+    with pytest.raises(Q.RecipeError, match="fused_scales"):
+        Q.Recipe.from_dict({"base": "fp8_w8a8", "fused_scales": "yes"})
 
 
 @pytest.mark.parametrize("name", sorted(Q.RECIPES))
