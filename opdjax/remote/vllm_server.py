@@ -218,6 +218,19 @@ class OpdjaxWorker:
             info["shm"] = {"root": st.shm_root}
         return info
 
+    def opdjax_weights(self) -> dict[str, Any]:
+        """What the served model holds per Linear (vLLM's own parameters): {module: {"dtype", "scale"}} — FP8 layers
+        with their per-tensor scale, kept ones in the model dtype; and the FP8 CPU emulation's scheme, if any."""
+        layers = {}
+        for name, mod in self.model_runner.model.named_modules():
+            w = getattr(mod, "weight", None)
+            if w is None or w.ndim != 2 or not name.startswith("model.layers."):
+                continue
+            scale = getattr(mod, "weight_scale", None)
+            layers[name] = {"dtype": str(w.dtype).replace("torch.", ""),
+                            "scale": None if scale is None else [float(v) for v in scale.detach().reshape(-1)]}
+        return {"layers": layers, "fp8_emulation": vllm_fp8_cpu.active(), "version": self._opdjax().target.version}
+
     def opdjax_poll_snapshot(self) -> dict[str, Any]:
         """Stage the newest snapshot in OPDJAX_SHM_ROOT (validated like a bridge publish); the staged version."""
         st = self._opdjax()
