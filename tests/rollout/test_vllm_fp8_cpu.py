@@ -152,7 +152,7 @@ def test_fp8_log_probs_follow_each_version_and_match_the_simulation(engine, cfg)
         m = b.completion_mask_BT
         vs_sim = np.abs(sim.score(b.tokens_BT, b.valid_BT)["logp_BT"] - b.rollout_logp_BT)[m].mean()
         vs_plain = np.abs(plain.score(b.tokens_BT, b.valid_BT)["logp_BT"] - b.rollout_logp_BT)[m].mean()
-        assert vs_sim < 0.6 * vs_plain, (vs_sim, vs_plain)  # measured 0.041 vs 0.087 (x6 weights, seed 13)
+        assert vs_sim < 0.75 * vs_plain, (vs_sim, vs_plain)  # measured 0.041 vs 0.087; unfused scales: 0.82
         if prev is not None:
             assert np.abs(prev - b.rollout_logp_BT)[m].mean() > 10 * vs_sim  # the new version, not the old
         prev = b.rollout_logp_BT
