@@ -176,6 +176,7 @@ class _State:
 
 _LOCK = threading.Lock()
 RESTART_EXIT_CODE = 75  # EX_TEMPFAIL: the server asks `opdjax serve` to start it again
+_EXIT = os._exit  # how the server process ends itself after a failed reload (tests replace it)
 
 
 def _restart(reason: str) -> RuntimeError:
@@ -186,7 +187,7 @@ def _restart(reason: str) -> RuntimeError:
     if path:
         with open(path, "w") as f:
             f.write(reason)
-    threading.Timer(1.0, os._exit, args=(RESTART_EXIT_CODE,)).start()
+    threading.Timer(1.0, _EXIT, args=(RESTART_EXIT_CODE,)).start()
     return RuntimeError(reason)
 
 
