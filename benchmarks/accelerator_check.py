@@ -474,15 +474,16 @@ def _hf_generate(torch, wl: Workload, params) -> float:
 
 # -- real FP8 in torch ---------------------------------------------------------------------------------------------
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
-def _fp8_linear_forward(torch, lin, mode: str, use_scaled_mm: bool):
-    """Replace `lin.forward` by a real FP8 GEMM (w8a8) or FP8-stored weights dequantized into bf16 (weights_only)."""
+def _fp8_linear_forward(torch, lin, mode: str, use_scaled_mm: bool, amax=None):
+    """Replace `lin.forward` by a real FP8 GEMM (w8a8) or FP8-stored weights dequantized into bf16 (weights_only).
+    amax: the weight amax the scale comes from (a fused layer's, as vLLM serves q/k/v and gate/up; default own)."""
     f8 = torch.float8_e4m3fn
     fmax = torch.finfo(f8).max
     w = lin.weight.data.float()  # [out, in]
-    sw = (w.abs().max().clamp(min=1e-12) / fmax).float()
+    sw = ((w.abs().max() if amax is None else amax).clamp(min=1e-12) / fmax).float()
     w8 = (w / sw).clamp(-fmax, fmax).to(f8)  # [out, in]
     bias = lin.bias
 
@@ -547,10 +548,12 @@ def section_fp8(rep: Report, wl: Workload, eng_state: dict):
             model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(dev).eval()
             base = _torch_logp(torch, model, tokens, dev)
             for layer in model.model.layers:
-                for mod in (layer.self_attn, layer.mlp):
-                    for lname in LINEARS:
-                        if hasattr(mod, lname):
-                            _fp8_linear_forward(torch, getattr(mod, lname), mode, use_mm)
+                for group in FUSED_LINEARS:  # one scale per vLLM fused layer, as the simulation's fused_scales
+                    mod = layer.self_attn if group[0].endswith(("q_proj", "o_proj")) else layer.mlp
+                    lins = [getattr(mod, n) for n in group]
+                    amax = max(lin.weight.data.float().abs().max() for lin in lins)
+                    for lin in lins:
+                        _fp8_linear_forward(torch, lin, mode, use_mm, amax)
             q = _torch_logp(torch, model, tokens, dev)
             real[name] = float(mismatch.metrics(jnp.asarray(base), jnp.asarray(q), jnp.asarray(mask))["k3"])
             del model

