@@ -61,9 +61,11 @@ from opdjax.budget.phenomena import phenomena
 from opdjax.budget.records import Point, RunResult, noise_point, write_json
 from opdjax.budget.report import plot, summary_markdown, write_csv
 from opdjax.budget.study_config import KneeConfig, StudyConfig, round_level
+from opdjax import quant
 from opdjax.config import to_dict
 from opdjax.pipeline import loop
 from opdjax.pipeline.rundir import write_text
+from opdjax.rollout.vllm_settings import engine_dtype
 
 __all__ = ["knee_candidates", "knee_search", "phenomena_points", "run_identity", "run_one", "run_study",
            "sweep_points", "train_mismatch"]
@@ -188,11 +190,17 @@ def train_mismatch(metrics_path: pathlib.Path) -> dict[str, Any]:
 
 def run_identity(cfg_dict: Mapping[str, Any]) -> dict[str, Any]:
     """A TrainConfig dict without the fields that cannot change its run (rollout.noise_mode when
-    rollout.weight_noise is 0): two configs with equal identities train the same run."""
+    rollout.weight_noise is 0, rollout.fp8_emulation when off) and with rollout.dtype "auto" resolved (the JAX
+    engine: float32; vLLM: `engine_dtype`): two configs with equal identities train the same run."""
     d = json.loads(json.dumps(dict(cfg_dict)))
     rollout = d.get("rollout", {})
     if not rollout.get("weight_noise"):
         rollout.pop("noise_mode", None)
+    if not rollout.get("fp8_emulation"):
+        rollout.pop("fp8_emulation", None)
+    if rollout.get("dtype") == "auto":
+        vllm = rollout.get("engine") == "vllm" and isinstance(rollout.get("recipe", "none"), str)
+        rollout["dtype"] = engine_dtype("auto", quant.as_recipe(rollout.get("recipe", "none"))) if vllm else "float32"
     return d
 
 

@@ -349,3 +349,20 @@ def test_validity_table_scores_decided_candidates_and_reports_borderline_ones_ap
     assert "Agreement: **2/3** of the decided candidates (67%" in md and "borderline (not scored): 1 of 4: c" in md
     assert "False ADMITs: 1 (d)" in md and "**2.0% cold, 1.0% warm**" in md
     assert "| `c` |" in md and "| borderline | – |" in md
+
+
+def test_run_identity_reuses_records_written_before_dtype_auto_and_fp8_emulation():
+    """A result saved when rollout.dtype defaulted to float32 (and fp8_emulation did not exist) trains the same run
+    as today's default (dtype auto = float32 on the JAX engine); a vLLM FP8 run's auto resolves to bfloat16."""
+    from opdjax.config import TrainConfig, to_dict
+
+    new = to_dict(TrainConfig())
+    old = json.loads(json.dumps(new))
+    old["rollout"]["dtype"] = "float32"
+    del old["rollout"]["fp8_emulation"]
+    assert study_mod.run_identity(old) == study_mod.run_identity(new)
+    old["rollout"]["dtype"] = "bfloat16"
+    assert study_mod.run_identity(old) != study_mod.run_identity(new)
+    fp8 = json.loads(json.dumps(new))
+    fp8["rollout"].update(engine="vllm", recipe="fp8_w8a8", fp8_emulation=True)
+    assert study_mod.run_identity(fp8)["rollout"]["dtype"] == "bfloat16"
