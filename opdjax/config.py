@@ -27,6 +27,7 @@ from opdjax.models.config import FAMILIES
 from opdjax.models.decoder import ATTENTION_IMPLS, DECODE_ATTENTION_IMPLS, REMAT_POLICIES
 from opdjax.models.tiny import SIZES
 from opdjax.quant import Recipe
+from opdjax.rollout.base import MIN_TEMPERATURE
 from opdjax.rollout.perturb import NOISE_MODES
 from opdjax.rollout.vllm_settings import VllmSettingsError, engine_dtype
 from opdjax.sync.links import TRANSPORTS
@@ -119,6 +120,9 @@ class RolloutConfig:
         for k in ("batch_size", "samples_per_prompt", "max_new_tokens"):
             _positive("rollout", k, getattr(self, k))
         _positive("rollout", "temperature", self.temperature, zero_ok=True)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(f"rollout.temperature={self.temperature:g} is below {MIN_TEMPERATURE:g}: logits / "
+                              "temperature overflow (vLLM treats it as greedy); use 0 for greedy decoding")
         _positive("rollout", "top_k", self.top_k, zero_ok=True)
         _positive("rollout", "weight_noise", self.weight_noise, zero_ok=True)
         _choice("rollout", "noise_mode", self.noise_mode, set(NOISE_MODES))
@@ -178,6 +182,9 @@ class TeacherConfig:
         _choice("teacher", "dtype", self.dtype, {"float32", "bfloat16"})
         _positive("teacher", "top_k", self.top_k, zero_ok=True)
         _positive("teacher", "temperature", self.temperature)
+        if self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(f"teacher.temperature={self.temperature:g} is below {MIN_TEMPERATURE:g}: logits / "
+                              "temperature overflow")
 
 
 @dataclasses.dataclass
@@ -448,22 +455,50 @@ def _deep_update(a: dict, b: Mapping) -> dict:
     return a
 
 
+MAX_CONFIG_VALUES = 100_000  # values in a config once YAML aliases are expanded (a real config has a few hundred)
+
+
+def check_expanded_size(value: Any, where: str, limit: int = MAX_CONFIG_VALUES) -> None:
+    """ConfigError when `value` holds more than `limit` values counting every alias expansion (a YAML "billion
+    laughs" alias bomb is small as parsed, and explodes only when something copies it). Stops at the limit."""
+    stack, seen = [value], 0
+    while stack:
+        v = stack.pop()
+        seen += 1
+        if seen > limit:
+            raise ConfigError(f"{where}: more than {limit} values once YAML aliases are expanded (an alias bomb?); "
+                              "refused")
+        if isinstance(v, Mapping):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+
+
+def read_config_file(path: str | pathlib.Path) -> dict[str, Any]:
+    p = pathlib.Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config {p} is a directory; expected a YAML file")
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        loaded = yaml.safe_load(p.read_bytes().decode("utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start}); expected a UTF-8 YAML file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML ({e})") from e
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+    check_expanded_size(loaded, str(p))
+    return loaded
+
+
 def load(cls, path: str | pathlib.Path | None = None, overrides: list[str] = ()):
     """Defaults <- YAML file <- overrides, validated. Dict-valued fields (options) are replaced, not merged."""
-    d: dict[str, Any] = {}
-    if path is not None:
-        p = pathlib.Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML ({e})") from e
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(loaded).__name__}")
-        d = loaded
+    d: dict[str, Any] = read_config_file(path) if path is not None else {}
     for item in overrides:
-        _deep_update(d, parse_override(item))
+        value = parse_override(item)
+        check_expanded_size(value, f"override {item[:80]!r}")
+        _deep_update(d, value)
     cfg = from_dict(cls, d)
     return cfg.validate() if hasattr(cfg, "validate") else cfg
 

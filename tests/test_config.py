@@ -143,3 +143,43 @@ def test_a_prompt_longer_than_the_model_is_refused_with_its_line(capsys, tmp_pat
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{f}:2: a prompt of" in err[0], err
+
+
+BOMB = "rollout:\n  vllm:\n" + "".join(
+    f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9) if i else 'lol'}]\n" for i in range(12))
+
+
+@pytest.mark.parametrize("argv", [["train", "--print-config"], ["train"]])
+def test_a_yaml_alias_bomb_under_an_untyped_section_is_refused_in_one_line(capsys, tmp_path, argv):
+    """Issue 29 row 6: 9^11 values once expanded, a few hundred bytes as written: refused at once, not expanded."""
+    p = tmp_path / "bomb.yaml"
+    p.write_text(BOMB)
+    assert main([*argv[:1], "--config", str(p), *argv[1:]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "alias" in err[0] and str(p) in err[0], err
+    with pytest.raises(ConfigError, match="alias bomb"):
+        load(TrainConfig, None, ["rollout.vllm={a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], "
+                                 + ", ".join(f"b{i}: &b{i} [{', '.join([f'*b{i - 1}' if i else '*a'] * 10)}]"
+                                             for i in range(6)) + "}"])
+
+
+def test_bad_config_files_get_one_line_errors(tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("rollout:\n  recipe: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load(TrainConfig, bad)
+    with pytest.raises(ConfigError, match="is a directory; expected a YAML file"):
+        load(TrainConfig, tmp_path)
+
+
+def test_a_temperature_that_overflows_the_logits_is_refused():
+    """Issue 29 row 3: 1e-30 sampled pad tokens with -inf log-probs and a zero gradient; 0 is greedy."""
+    from opdjax.rollout import SamplingParams
+
+    with pytest.raises(ConfigError, match="rollout.temperature=1e-30 is below 1e-05.*use 0 for greedy"):
+        load(TrainConfig, None, ["rollout.temperature=1e-30"])
+    with pytest.raises(ConfigError, match="teacher.temperature=1e-30"):
+        load(TrainConfig, None, ["teacher.temperature=1e-30"])
+    with pytest.raises(ValueError, match="use 0 for greedy"):
+        SamplingParams(temperature=1e-30)  # the engines, used directly, take the same SamplingParams
+    assert SamplingParams(temperature=0).temperature == 0 and load(TrainConfig, None, ["rollout.temperature=0"])

@@ -10,12 +10,11 @@ import json
 import pathlib
 from typing import Any, Mapping, Sequence
 
-import yaml
 
 from opdjax import quant
 from opdjax.budget.fit import FITS, QUALITIES
 from opdjax.budget.records import Point, noise_point
-from opdjax.config import ConfigError, TrainConfig, _deep_update, from_dict, load
+from opdjax.config import ConfigError, TrainConfig, _deep_update, from_dict, load, read_config_file
 from opdjax.core import corrections, mismatch
 
 __all__ = ["KneeConfig", "RLConfig", "SMALL_OVERRIDES", "ShiftConfig", "StudyConfig", "load_study", "round_level"]
@@ -177,12 +176,10 @@ class StudyConfig:
         """The TrainConfig of one run: train_config YAML <- base <- point overrides <- seed (<- out_dir)."""
         d: dict[str, Any] = {}
         if self.train_config is not None:
-            p = pathlib.Path(self.train_config)
-            if not p.is_file():
-                raise ConfigError(f"train_config: file {p} does not exist")
-            d = yaml.safe_load(p.read_text()) or {}
-            if not isinstance(d, dict):
-                raise ConfigError(f"train_config {p}: the top level must be a mapping")
+            try:
+                d = read_config_file(self.train_config)
+            except ConfigError as e:
+                raise ConfigError(f"train_config: {e}") from None
         _deep_update(d, json.loads(json.dumps(self.base)))
         _deep_update(d, json.loads(json.dumps(dict(overrides))))
         _deep_update(d, {"seed": seed, "rollout": {"seed": seed}})

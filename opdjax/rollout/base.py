@@ -21,6 +21,9 @@ def check_token_ids(what: str, ids: np.ndarray, vocab_size: int) -> None:
         raise ValueError(f"{what}: token id {int(bad)} is outside the vocabulary [0, {vocab_size})")
 
 
+MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon: a smaller positive temperature overflows logits / T
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How an engine samples. `top_k=0` and `top_p=1.0` mean no truncation.
@@ -39,8 +42,10 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, inf), got "
+                             f"{self.temperature}: below {MIN_TEMPERATURE:g} logits / temperature overflow (vLLM "
+                             "treats such a temperature as greedy); use 0 for greedy decoding")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
