@@ -339,7 +339,11 @@ def _scale_shape(shape: tuple[int, ...], quant: Mapping[str, Any]) -> tuple[int,
     if g == "channel":
         return (shape[0], 1)
     if g == "block":
-        bo, bi = quant["block"]
+        block = quant.get("block")
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
+            raise BridgeError(f"quant block {block!r}: expected two positive integers [bn, bm]")
+        bo, bi = block
         return (-(-shape[0] // bo), -(-shape[1] // bi))
     raise BridgeError(f"unsupported granularity {g!r} for a bridged weight; valid: tensor, channel, block")
 

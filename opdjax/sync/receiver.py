@@ -99,6 +99,8 @@ class WeightReceiver:
 
     def check(self, manifest: Manifest) -> None:
         """Validate a manifest against the spec only (transports call this before moving any payload)."""
+        if manifest.version < 0:
+            raise self.refuse(f"manifest v{manifest.version} rejected: a weight version is a non-negative integer")
         try:
             validate(manifest, self.spec, served_version=self.version)
         except BridgeError as e:

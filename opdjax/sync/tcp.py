@@ -164,18 +164,21 @@ class TcpReceiverServer:
 
     Every connection gets its own thread (at most `max_connections` at once; more are closed at once), and must
     complete the handshake (hello, token proof, manifest) within `handshake_timeout` seconds. Only then does it
-    queue for the one transfer slot (the payload buffer), where `timeout` bounds the transfer. So an idle, slow or
-    half-open socket delays a good publisher by nothing: it holds its own thread until its handshake times out.
+    queue for the one transfer slot (the payload buffer). A transfer that stalls — no byte for `idle_timeout`
+    seconds — is dropped (the engine keeps its version) and frees the slot, and `timeout` bounds a whole transfer.
+    So an idle, slow or half-open socket delays a good publisher by at most `idle_timeout`.
     """
 
     def __init__(self, receiver: WeightReceiver, token: str | bytes, *, host: str = "127.0.0.1", port: int = 0,
-                 timeout: float = 600.0, handshake_timeout: float = 5.0, max_connections: int = 256):
+                 timeout: float = 600.0, handshake_timeout: float = 5.0, max_connections: int = 256,
+                 idle_timeout: float = 30.0):
         if not token:
             raise ValueError("TcpReceiverServer needs a non-empty shared secret token")
         self.receiver = receiver
         self.token = token
         self.timeout = timeout
         self.handshake_timeout = float(handshake_timeout)
+        self.idle_timeout = float(min(idle_timeout, timeout))
         self.refusals: list[str] = []
         self._slots = threading.BoundedSemaphore(int(max_connections))
         self._transfer = threading.Lock()  # one payload buffer: one transfer at a time
@@ -289,7 +292,10 @@ class TcpReceiverServer:
         except BridgeError as e:
             self._refuse(conn, peer, str(e))
             return
-        conn.settimeout(self.timeout)  # authenticated: the transfer may take as long as a publish may
+        except (ValueError, TypeError, KeyError, ArithmeticError) as e:  # a manifest no check anticipated
+            self._refuse(conn, peer, f"malformed manifest ({type(e).__name__}: {e}); engine keeps serving v{served}")
+            return
+        conn.settimeout(self.idle_timeout)  # authenticated: every recv may wait this long, no longer
         with self._transfer:
             self._receive(conn, peer, manifest, served)
 
@@ -301,11 +307,12 @@ class TcpReceiverServer:
             self._buf = _host_buffer(manifest.total_bytes)
         payload = self._buf
         try:
-            self._stream(conn, manifest, payload)
+            self._stream(conn, manifest, payload, deadline=t0 + self.timeout)
         except BridgeError as e:
             msg = f"v{manifest.version}: {e}; engine keeps serving v{self.receiver.version}"
             self.receiver.refusals.append(msg)
-            self._refuse(conn, peer, msg, unread=manifest.total_bytes + MAX_MANIFEST, within=self.timeout)
+            self._refuse(conn, peer, msg, unread=manifest.total_bytes + MAX_MANIFEST,
+                         within=min(self.idle_timeout, self.handshake_timeout))
             return
         t1 = time.perf_counter()
         try:
@@ -316,7 +323,8 @@ class TcpReceiverServer:
         _send_status(conn, ok=True, version=manifest.version, recv_s=t1 - t0, apply_s=time.perf_counter() - t1)
 
     @staticmethod
-    def _stream(conn: socket.socket, manifest: Manifest, payload: np.ndarray) -> None:
+    def _stream(conn: socket.socket, manifest: Manifest, payload: np.ndarray, deadline: float = float("inf")
+                ) -> None:
         """Receive the chunks into `payload`, checking every chunk's and every tensor's CRC-32 (BridgeError if not).
 
         Each byte is checksummed once, in slices, as it arrives: a segment (the part of a chunk inside one tensor)
@@ -336,6 +344,8 @@ class TcpReceiverServer:
                     break
                 if got + length > total:
                     raise BridgeError(f"payload overruns the manifest's {total} bytes")
+                if time.perf_counter() > deadline:
+                    raise BridgeError(f"transfer exceeded its time limit after {got} of {total} payload bytes")
                 start, end, chunk_crc = got, got + length, 0
                 while got < end:
                     while ends[ti] <= got:  # got < total, so some tensor ends after it
@@ -351,6 +361,9 @@ class TcpReceiverServer:
                     tensor_crc[ti] = crc32_combine(tensor_crc[ti], seg_crc, seg_end - seg_start)
                 if chunk_crc != crc:
                     raise BridgeError(f"corrupt chunk at byte {start} (crc32 mismatch)")
+        except TimeoutError:
+            raise BridgeError(f"stalled transfer: no data for {conn.gettimeout():g}s after {got} of {total} payload "
+                              "bytes; dropped") from None
         except (OSError, struct.error) as e:
             raise BridgeError(f"truncated transfer: connection lost after {got} of {total} payload bytes "
                               f"({type(e).__name__}: {e})") from None

@@ -174,3 +174,26 @@ def test_crc32_helpers_equal_zlib_for_any_split_and_thread_count(monkeypatch):
     for threads in ("1", "2", "3"):
         monkeypatch.setenv("OPDJAX_BRIDGE_CRC_THREADS", threads)
         assert M.checksum_many(bufs) == want
+
+
+def test_a_negative_version_or_a_zero_quant_block_is_refused_with_a_status(cfg, params):
+    """Issue 29: a manifest with quant block [0, 0] closed the TCP connection with no status (division by zero in
+    the log); versions below 0 were accepted. Both are refused, named, with nothing touched."""
+    import dataclasses
+
+    from opdjax.sync import TcpReceiverServer
+    from tests.sync.test_transports import TOKEN, _client
+
+    target, rx = _receiver(cfg, "float32", version=1)
+    m, arrays = prepare(cfg, params, 2, dtype="float32", recipe="fp8_block128")
+    with pytest.raises(BridgeError, match="v-5 rejected: a weight version is a non-negative integer"):
+        rx.receive(dataclasses.replace(m, version=-5), arrays)
+    name = next(e.name for e in m.entries if e.quant)
+    bad = _edit(m, name, quant={**next(e.quant for e in m.entries if e.name == name), "block": [0, 0]})
+    with pytest.raises(BridgeError, match=r"quant block \[0, 0\]: expected two positive integers"):
+        rx.receive(bad, arrays)
+    with TcpReceiverServer(rx, TOKEN) as srv:
+        s, status = _client(srv.port, TOKEN, bad.to_json().encode())
+        s.close()
+    assert not status["ok"] and "quant block [0, 0]" in status["error"]
+    assert target.applied == [] and target.version == 1

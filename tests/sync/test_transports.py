@@ -252,6 +252,27 @@ def test_tcp_truncated_transfer_is_refused(cfg, params, rx):
     assert target.applied == []
 
 
+def test_a_stalled_transfer_is_dropped_and_a_newer_publisher_is_not_starved(cfg, params, rx):
+    """Issue 29 row 5: a client sends a valid manifest and 1,000 bytes, then stalls holding the transfer slot; it
+    is dropped after the idle timeout, told why, and a second publisher's v2 is applied within seconds."""
+    import time
+
+    target, receiver = rx
+    m, arrays = prepare(cfg, params[1], 1, dtype="bfloat16")
+    payload = b"".join(np.asarray(a).tobytes() for a in arrays)
+    with TcpReceiverServer(receiver, TOKEN, idle_timeout=1.5) as srv:
+        s, status = _client(srv.port, TOKEN, m.to_json().encode())
+        assert status["ok"]
+        s.sendall(T._CHUNK_HDR.pack(len(payload), 0) + payload[:1000])  # ... and nothing more
+        t0 = time.perf_counter()
+        Publisher(cfg, TcpTransport(srv.host, srv.port, TOKEN, timeout=20), dtype="bfloat16").publish(params[2], 2)
+        assert time.perf_counter() - t0 < 8.0 and target.version == 2 and target.applied == [2]
+        s.settimeout(10)
+        final = T._recv_status(s, "final")
+        s.close()
+    assert not final["ok"] and "stalled transfer" in final["error"] and "keeps serving v0" in final["error"]
+
+
 def test_tcp_corrupt_chunk_is_refused(cfg, params, rx):
     target, receiver = rx
     m, arrays = prepare(cfg, params[1], 1, dtype="bfloat16")
