@@ -34,7 +34,9 @@ from opdjax.models import ModelConfig, hf
 from opdjax.models.sharding import make_mesh
 from opdjax.models.tiny import load_tokenizer
 from opdjax.pipeline.build import make_engine, make_teacher, resolve_models
+from opdjax.core.errors import InputError
 from opdjax.remote.client import read_token
+from opdjax.remote.protocol import ServerLimits
 from opdjax.remote.server import EngineServer
 from opdjax.remote.vllm_server import shell_line, vllm_command
 from opdjax.rollout.vllm_engine import DEFAULT_KV_CACHE_BYTES, llm_kwargs
@@ -52,6 +54,8 @@ def _serve(args) -> int:
     if cfg.rollout.endpoints or cfg.teacher.endpoints:
         raise config.ConfigError("a server runs its engine itself: drop rollout.endpoints / teacher.endpoints")
     token = read_token(args.token_file)
+    for what, port in (("--port", args.port), ("--bridge-port", args.bridge_port)):
+        _check_port_free(args.host, port, what)  # before minutes of model loading, not after
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731  stdout carries the ready line only
     student_path, teacher_path = resolve_models(cfg, log)
     if (cfg.rollout.engine if args.role == "rollout" else cfg.teacher.engine) == "vllm":
@@ -64,11 +68,12 @@ def _serve(args) -> int:
         _, params = hf.load_state(student_path, mcfg, param_dtype=cfg.student.dtype)
         server = EngineServer(engine=make_engine(cfg, student_path, mcfg, params, tok), token=token, host=args.host,
                               port=args.port, bridge_port=args.bridge_port, model_name=student_path,
-                              shm_root=args.shm_root)
+                              shm_root=args.shm_root, limits=_limits(args))
     else:
         teacher = make_teacher(dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, endpoints=())),
                                teacher_path, make_mesh(cfg.mesh.shape))
-        server = EngineServer(teacher=teacher, token=token, host=args.host, port=args.port, model_name=teacher_path)
+        server = EngineServer(teacher=teacher, token=token, host=args.host, port=args.port, model_name=teacher_path,
+                              limits=_limits(args))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     print(json.dumps({"event": "ready", "role": args.role, "url": f"http://{server.host}:{server.port}",
@@ -83,6 +88,27 @@ def _serve(args) -> int:
         if server.bridge is not None:
             server.bridge.stop()
     return 0
+
+
+def _check_port_free(host: str, port: int, what: str) -> None:
+    """InputError naming the flag when `port` (nonzero) cannot be bound on `host` (in use, or not allowed)."""
+    if not port:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise InputError(f"{what} {port}: cannot listen on {host}:{port} ({e.strerror}); pick a free port or 0 "
+                             "(a free one, printed when ready)") from None
+
+
+def _limits(args) -> ServerLimits:
+    """The server limits `opdjax serve` flags set (defaults: `ServerLimits`)."""
+    return ServerLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)), max_batch=args.max_batch,
+                        max_tokens=args.max_tokens, max_top_k=args.max_top_k, idle_timeout=args.idle_timeout,
+                        transfer_idle_timeout=args.transfer_idle_timeout,
+                        refusal_log_per_min=args.refusal_log_per_min)
 
 
 def _vllm_settings(cfg: config.TrainConfig, role: str, path: str, *, check_hardware: bool = True) -> dict:
@@ -147,6 +173,7 @@ def _serve_vllm(args, cfg: config.TrainConfig, path: str, token: str) -> int:
                              port=port, bridge_port=args.bridge_port, shm_root=args.shm_root,
                              llm_kwargs=_vllm_settings(cfg, args.role, path, check_hardware=not args.print_command),
                              fp8_emulation=_emulation(cfg, args.role))
+    env["OPDJAX_BRIDGE_IDLE_TIMEOUT"] = str(getattr(args, "transfer_idle_timeout", ServerLimits.transfer_idle_timeout))
     if args.print_command:
         print(shell_line(argv, env))
         return 0
@@ -188,5 +215,16 @@ def add_serve_command(subparsers) -> None:
                     help="--engine vllm: print the `vllm serve` command (and its environment) and exit")
     sp.add_argument("--start-timeout", type=float, default=900.0,
                     help="--engine vllm: seconds to wait for vLLM's server to answer (default 900)")
+    lim = ServerLimits()
+    sp.add_argument("--max-batch", type=int, default=lim.max_batch, help="prompts or sequences per request")
+    sp.add_argument("--max-tokens", type=int, default=lim.max_tokens, help="max_tokens of one request")
+    sp.add_argument("--max-top-k", type=int, default=lim.max_top_k, help="top_k / prompt_logprobs of one request")
+    sp.add_argument("--max-body-mb", type=float, default=lim.max_body_bytes / (1 << 20), help="request body size")
+    sp.add_argument("--idle-timeout", type=float, default=lim.idle_timeout,
+                    help="seconds an HTTP connection may be silent before it is closed")
+    sp.add_argument("--transfer-idle-timeout", type=float, default=lim.transfer_idle_timeout,
+                    help="seconds a weight transfer over the bridge may stall before it is dropped")
+    sp.add_argument("--refusal-log-per-min", type=int, default=lim.refusal_log_per_min,
+                    help="refused requests logged per minute (all are counted)")
     sp.add_argument("overrides", nargs="*", help="key=value overrides, e.g. student=DIR rollout.recipe=fp8_w8a8")
     sp.set_defaults(func=guard(_serve))

@@ -25,18 +25,20 @@ server sees exactly the batch an in-process engine would give.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from opdjax.core.errors import InputError
-from opdjax.rollout.base import RolloutBatch, SamplingParams
+from opdjax.rollout.base import MIN_TEMPERATURE, RolloutBatch, SamplingParams
 from opdjax.rollout.jax_engine import bucket_len
 from opdjax.teacher.base import TeacherScores
 
-__all__ = ["ProtocolError", "completion_request", "completion_response", "rollout_batch", "score_request",
-           "score_response", "teacher_scores"]
+__all__ = ["ProtocolError", "ServerLimits", "completion_request", "completion_response", "rollout_batch",
+           "sampling_from_request", "score_from_request", "score_request", "score_response", "teacher_scores",
+           "token_rows"]
 
 
 class ProtocolError(InputError):
@@ -53,17 +55,94 @@ def completion_request(prompts: Sequence[Sequence[int]], sampling: SamplingParam
             "return_token_ids": True, "skip_special_tokens": False}
 
 
-def sampling_from_request(body: Mapping[str, Any]) -> tuple[list[list[int]], SamplingParams, int]:
-    """Server side: (prompts, SamplingParams, seed) of a completions request; ValueError names a bad field."""
-    prompts = body.get("prompt")
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, list) for p in prompts):
-        raise ValueError("'prompt' must be a non-empty list of token-id lists")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for p in prompts for t in p):
-        raise ValueError("'prompt' must hold integer token ids only")
-    sp = SamplingParams(max_new_tokens=int(body.get("max_tokens", 16)), temperature=float(body.get("temperature", 1.0)),
-                        top_k=max(int(body.get("top_k", 0) or 0), 0), top_p=float(body.get("top_p", 1.0)),
-                        stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids") or ()))
-    return prompts, sp, int(body.get("seed") or 0)
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """What one engine server accepts (`opdjax serve` flags of the same names); a request beyond them is a 400.
+
+    max_body_bytes     one request body            max_batch        prompts (or sequences) per request
+    max_tokens         max_tokens per request      max_top_k        top_k / prompt_logprobs
+    idle_timeout       seconds a connection may be silent (HTTP requests; bridge transfers: transfer_idle_timeout)
+    transfer_idle_timeout  seconds a weight transfer may stall before it is dropped
+    refusal_log_per_min    refusals logged per minute (the rest counted); paths are logged truncated
+    A prompt plus max_tokens must fit the model's positions.
+    """
+
+    max_body_bytes: int = 64 << 20
+    max_batch: int = 1024
+    max_tokens: int = 4096
+    max_top_k: int = 64
+    idle_timeout: float = 20.0
+    transfer_idle_timeout: float = 30.0
+    refusal_log_per_min: int = 20
+
+
+def _int_field(body: Mapping[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = body.get(key, default)
+    if v is None:
+        v = default
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ValueError(f"'{key}' must be an integer in [{lo}, {hi}], got {repr(v)[:40]}")
+    return v
+
+
+def _float_field(body: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(key, default)
+    if v is None:
+        v = default
+    if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(float(v))
+            or not lo <= float(v) <= hi):
+        raise ValueError(f"'{key}' must be a finite number in [{lo:g}, {hi:g}], got {repr(v)[:40]}")
+    return float(v)
+
+
+def token_rows(value: Any, what: str, vocab_size: int, max_len: int, max_rows: int) -> list[list[int]]:
+    """A non-empty list (at most max_rows) of non-empty token-id lists (at most max_len ids in [0, vocab_size))."""
+    if not isinstance(value, list) or not value or not all(isinstance(r, list) and r for r in value):
+        raise ValueError(f"'{what}' must be a non-empty list of non-empty token-id lists")
+    if len(value) > max_rows:
+        raise ValueError(f"'{what}' has {len(value)} rows; this server takes at most {max_rows} per request")
+    for i, row in enumerate(value):
+        if len(row) > max_len:
+            raise ValueError(f"'{what}' row {i} has {len(row)} tokens; the model takes at most {max_len}")
+        for t in row:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                raise ValueError(f"'{what}' row {i}: token id {repr(t)[:40]} is not an integer in "
+                                 f"[0, {vocab_size})")
+    return value
+
+
+def sampling_from_request(body: Mapping[str, Any], *, vocab_size: int, max_positions: int,
+                          limits: ServerLimits = ServerLimits()) -> tuple[list[list[int]], SamplingParams, int]:
+    """Server side: (prompts, SamplingParams, seed) of a completions request; ValueError names a bad field.
+
+    Every field is checked, never coerced: integer ids in the vocabulary, integer max_tokens / top_k / seed,
+    finite temperature (0 or >= MIN_TEMPERATURE) and top_p, and each prompt plus max_tokens within the model's
+    positions."""
+    max_tokens = _int_field(body, "max_tokens", 16, 1, min(limits.max_tokens, max_positions - 1))
+    prompts = token_rows(body.get("prompt"), "prompt", vocab_size, max_positions - max_tokens, limits.max_batch)
+    temperature = _float_field(body, "temperature", 1.0, 0.0, 1e4)
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"'temperature' {temperature:g} is below {MIN_TEMPERATURE:g}; use 0 for greedy decoding")
+    stop = body.get("stop_token_ids") or []
+    if not isinstance(stop, list) or len(stop) > 64:
+        raise ValueError("'stop_token_ids' must be a list of at most 64 token ids")
+    if stop:
+        token_rows([stop], "stop_token_ids", vocab_size, 64, 1)
+    sp = SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+                        top_k=_int_field(body, "top_k", 0, 0, vocab_size),
+                        top_p=_float_field(body, "top_p", 1.0, 1e-9, 1.0), stop_token_ids=tuple(stop))
+    return prompts, sp, _int_field(body, "seed", 0, 0, 2**63 - 1)
+
+
+def score_from_request(body: Mapping[str, Any], *, vocab_size: int, max_positions: int,
+                       limits: ServerLimits = ServerLimits()) -> tuple[list[list[int]], int]:
+    """Server side: (sequences, k) of a teacher scoring request (prompt_logprobs = k); ValueError names a bad
+    field (a non-integer k, an id outside the vocabulary, a sequence longer than the model's positions)."""
+    if "prompt_logprobs" not in body or body["prompt_logprobs"] is None:
+        raise ValueError("this is a teacher server; ask for prompt_logprobs")
+    k = _int_field(body, "prompt_logprobs", 0, 0, limits.max_top_k)
+    rows = token_rows(body.get("prompt"), "prompt", vocab_size, max_positions, limits.max_batch)
+    return rows, k
 
 
 def completion_response(batch: RolloutBatch, model: str = "opdjax") -> dict[str, Any]:

@@ -16,11 +16,13 @@ told otherwise. Requests are served one at a time per engine (a lock), publishes
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import json
 import logging
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -31,7 +33,7 @@ from opdjax.sync import ModelSpec, SnapshotWatcher, TcpReceiverServer
 
 log = logging.getLogger("opdjax.serve")
 
-__all__ = ["EngineServer", "spec_fingerprint", "MAX_BODY"]
+__all__ = ["EngineServer", "MAX_BODY", "RefusalLog", "spec_fingerprint"]
 
 MAX_BODY = 64 << 20  # bytes of one request body
 
@@ -51,25 +53,30 @@ class EngineServer:
 
     def __init__(self, *, token: str, engine=None, teacher=None, host: str = "127.0.0.1", port: int = 0,
                  bridge_port: int = 0, model_name: str = "opdjax", publish_timeout: float = 600.0,
-                 shm_root: str | None = None):
+                 shm_root: str | None = None, limits: protocol.ServerLimits = protocol.ServerLimits()):
         if (engine is None) == (teacher is None):
             raise ValueError("EngineServer serves exactly one of engine= or teacher=")
         if not token:
             raise ValueError("EngineServer needs a non-empty shared secret token")
         self.role = "rollout" if engine is not None else "teacher"
         self.engine, self.teacher, self.token, self.model_name = engine, teacher, token, model_name
-        self.refusals: list[str] = []
+        self.limits = limits
+        mcfg = (engine if engine is not None else teacher).cfg
+        self.vocab_size, self.max_positions = int(mcfg.vocab_size), int(mcfg.max_position_embeddings)
+        self.refusal_log = RefusalLog(per_min=limits.refusal_log_per_min)
+        self.refusals = self.refusal_log.recent  # the last refusals (bounded); refusal_log.count counts them all
         self._lock = threading.Lock()
         self.bridge: TcpReceiverServer | None = None
         if engine is not None:
             self.bridge = TcpReceiverServer(engine.receiver, token, host=host, port=bridge_port,
-                                            timeout=publish_timeout)
+                                            timeout=publish_timeout, idle_timeout=limits.transfer_idle_timeout)
         self.shm_root = str(shm_root) if shm_root and engine is not None else None
         self.watcher = SnapshotWatcher(self.shm_root, engine.receiver) if self.shm_root else None
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = limits.idle_timeout  # a silent or trickling (slow-loris) connection is closed
 
             def log_message(self, fmt, *args):  # quiet: refusals and errors are logged explicitly
                 log.debug("%s " + fmt, self.client_address[0], *args)
@@ -135,9 +142,8 @@ class EngineServer:
             if method == "GET" and path == "/health":
                 return _reply(h, 200, {"ok": True, "role": self.role})
             if not self._authorized(h):
-                msg = f"refused {method} {path} from {h.client_address[0]}: missing or wrong token"
-                self.refusals.append(msg)
-                log.warning(msg)
+                shown = path if len(path) <= 120 else f"{path[:120]}... ({len(path)} chars)"
+                self.refusal_log.add(f"refused {method} {shown!r} from {h.client_address[0]}: missing or wrong token")
                 return _reply(h, 401, {"error": {"message": "missing or wrong bearer token", "type": "auth"}})
             if method == "GET" and path == "/v1/opdjax/info":
                 return _reply(h, 200, self.info())
@@ -145,13 +151,17 @@ class EngineServer:
                 self.watcher.poll()  # a refused snapshot raises BridgeError (a ValueError): 400 with the reason
                 return _reply(h, 200, {"received_version": int(self.engine.receiver.received_version)})
             if method == "POST" and path == "/v1/completions":
-                body = _read_json(h)
+                body = _read_json(h, self.limits.max_body_bytes)
                 with self._lock:
                     out = self._complete(body)
                 return _reply(h, 200, out)
             return _reply(h, 404, {"error": {"message": f"no endpoint {method} {path}", "type": "not_found"}})
-        except (ValueError, KeyError, TypeError) as e:  # bad request content, named
-            return _reply(h, 400, {"error": {"message": f"{type(e).__name__}: {e}", "type": "invalid_request"}})
+        except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:  # bad request content, named
+            return _reply(h, 400, {"error": {"message": f"{type(e).__name__}: {str(e)[:500]}",
+                                             "type": "invalid_request"}})
+        except (TimeoutError, ConnectionError):  # a client that went silent or away mid-request: nothing to answer
+            h.close_connection = True
+            return None
         except Exception as e:  # noqa: BLE001  the server keeps serving; the client sees a 500 and retries
             log.exception("request %s %s failed", method, path)
             return _reply(h, 500, {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
@@ -160,29 +170,55 @@ class EngineServer:
         if self.engine is not None:
             if body.get("prompt_logprobs"):
                 raise ValueError("this is a rollout server; prompt_logprobs are served by a teacher server")
-            prompts, sp, seed = protocol.sampling_from_request(body)
+            prompts, sp, seed = protocol.sampling_from_request(body, vocab_size=self.vocab_size,
+                                                               max_positions=self.max_positions, limits=self.limits)
             return protocol.completion_response(self.engine.generate(prompts, sp, seed=seed), self.model_name)
-        k = body.get("prompt_logprobs")
-        if k is None:
-            raise ValueError("this is a teacher server; ask for prompt_logprobs")
-        rows = body.get("prompt")
-        if not isinstance(rows, list) or not rows or not all(isinstance(r, list) and r for r in rows):
-            raise ValueError("'prompt' must be a non-empty list of non-empty token-id lists")
+        rows, k = protocol.score_from_request(body, vocab_size=self.vocab_size, max_positions=self.max_positions,
+                                              limits=self.limits)
         T = max(len(r) for r in rows)
         tokens = np.zeros((len(rows), T), np.int32)
         valid = np.zeros((len(rows), T), bool)
         for i, r in enumerate(rows):
             tokens[i, T - len(r):], valid[i, T - len(r):] = r, True  # left-padded, as the engines lay prompts out
-        k = int(k)
         needs = frozenset({"teacher_logp", "teacher_topk"} if k else {"teacher_logp"})
         scores = self.teacher.score(tokens, valid, needs, top_k=k)
         return protocol.score_response(scores, tokens, valid, k, self.model_name)
 
 
-def _read_json(h: BaseHTTPRequestHandler) -> dict[str, Any]:
-    n = int(h.headers.get("Content-Length") or 0)
-    if n <= 0 or n > MAX_BODY:
-        raise ValueError(f"request body of {n} bytes; expected 1..{MAX_BODY}")
+class RefusalLog:
+    """Refusals of one server: all counted, the last `keep` kept, at most `per_min` logged a minute (each cut to
+    300 characters), the rest summed up in one line — so a flood of bad requests cannot fill memory or the log."""
+
+    def __init__(self, per_min: int = 20, keep: int = 100):
+        self.per_min, self.count, self.suppressed = int(per_min), 0, 0
+        self.recent: collections.deque[str] = collections.deque(maxlen=keep)
+        self._window, self._logged = time.monotonic(), 0
+        self._lock = threading.Lock()
+
+    def add(self, msg: str) -> None:
+        msg = msg if len(msg) <= 300 else f"{msg[:300]}... ({len(msg)} chars)"
+        with self._lock:
+            self.count += 1
+            self.recent.append(msg)
+            now = time.monotonic()
+            if now - self._window >= 60.0:
+                if self.suppressed:
+                    log.warning("%d more refusals in the last minute were not logged", self.suppressed)
+                self._window, self._logged, self.suppressed = now, 0, 0
+            if self._logged < self.per_min:
+                self._logged += 1
+                log.warning("%s", msg)
+            else:
+                self.suppressed += 1
+
+
+def _read_json(h: BaseHTTPRequestHandler, max_bytes: int = MAX_BODY) -> dict[str, Any]:
+    try:
+        n = int(h.headers.get("Content-Length") or 0)
+    except ValueError:
+        raise ValueError("Content-Length must be an integer") from None
+    if n <= 0 or n > max_bytes:
+        raise ValueError(f"request body of {n} bytes; expected 1..{max_bytes}")
     body = json.loads(h.rfile.read(n))
     if not isinstance(body, dict):
         raise ValueError("the request body must be a JSON object")

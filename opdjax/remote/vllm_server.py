@@ -171,7 +171,8 @@ class _State:
         if self.role == "rollout":
             self.bridge = TcpReceiverServer(self.receiver, _token(),
                                             host=os.environ.get("OPDJAX_BRIDGE_HOST", "127.0.0.1"),
-                                            port=int(os.environ.get("OPDJAX_BRIDGE_PORT") or 0)).start()
+                                            port=int(os.environ.get("OPDJAX_BRIDGE_PORT") or 0),
+                                            idle_timeout=float(os.environ.get("OPDJAX_BRIDGE_IDLE_TIMEOUT") or 30)).start()
 
 
 _LOCK = threading.Lock()
