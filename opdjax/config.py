@@ -236,6 +236,7 @@ class PipelineConfig:
     out_dir: str = "runs/demo"
     resume: bool = False             # continue the run in out_dir from its newest checkpoint (a finished run: no-op)
     overwrite: bool = False          # a fresh run may replace a previous run in out_dir (refused otherwise)
+    allow_config_change: bool = False  # resume with a changed training config (recorded in config_changes.jsonl)
     progress: bool = True
     tensorboard: bool = True
 
@@ -246,6 +247,8 @@ class PipelineConfig:
             _positive("pipeline", k, getattr(self, k), zero_ok=True)
         _positive("pipeline", "queue_size", self.queue_size)
         _positive("pipeline", "eval_prompts", self.eval_prompts)
+        if not str(self.out_dir).strip():
+            raise ConfigError("pipeline.out_dir is empty; expected a directory for the run (e.g. runs/demo)")
 
 
 @dataclasses.dataclass

@@ -102,14 +102,18 @@ def _claim(out: pathlib.Path, cfg: TrainConfig):
     """Process 0 locks out_dir and checks it may write there; every process gets the same verdict."""
     held, problem = None, None
     if jax.process_index() == 0:
-        out.mkdir(parents=True, exist_ok=True)
         try:
+            if out.exists() and not out.is_dir():
+                raise rundir.RunDirError(f"pipeline.out_dir={str(out)!r} is a file; expected a directory")
+            out.mkdir(parents=True, exist_ok=True)
             held = rundir.lock(out)
             prev = rundir.previous_run(out)
             if prev and not cfg.pipeline.resume and not cfg.pipeline.overwrite:
                 raise rundir.RunDirError(
                     f"pipeline.out_dir={str(out)!r} holds a previous run ({', '.join(prev)}); continue it with "
                     f"pipeline.resume=true, replace it with pipeline.overwrite=true, or choose another out_dir")
+            if prev and cfg.pipeline.resume:
+                rundir.check_resume_config(out, to_dict(cfg), allow=cfg.pipeline.allow_config_change)
         except rundir.RunDirError as e:
             problem = e
             if held is not None:

@@ -7,7 +7,9 @@
     write_json / write_text  atomic: a temporary file in the same directory, fsync'd, then `os.replace`
 
 A fresh run (`pipeline.resume=false`) into a directory holding a previous run is refused unless
-`pipeline.overwrite=true`; `pipeline.resume=true` continues it (and is a no-op when it has finished).
+`pipeline.overwrite=true`; `pipeline.resume=true` continues it (and is a no-op when it has finished), with the
+run's own training config: `check_resume_config` refuses a resume that changes what is trained (naming the keys)
+unless `pipeline.allow_config_change=true`, which records the changes in config_changes.jsonl.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 
 from opdjax.core.errors import InputError
 
-__all__ = ["RunDirError", "lock", "previous_run", "truncate_metrics", "write_json", "write_text"]
+__all__ = ["RESUME_MAY_CHANGE", "RunDirError", "check_resume_config", "config_changes", "lock", "previous_run",
+           "truncate_metrics", "write_json", "write_text"]
 
 LOCK = ".opdjax.lock"
 RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json")
@@ -36,7 +39,8 @@ def write_text(path: str | pathlib.Path, text: str) -> None:
     """Write `text` to `path` atomically (readers see the old file or the new one, never a part)."""
     path = pathlib.Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
+    try:  # mkstemp makes the file 0600: give it the mode a plain write would (the old file's, or 0666 & ~umask)
+        os.fchmod(fd, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -45,6 +49,58 @@ def write_text(path: str | pathlib.Path, text: str) -> None:
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# Keys a resumed run may change: how long it runs and how it is watched, logged and connected, not what it trains.
+RESUME_MAY_CHANGE = ("pipeline.resume", "pipeline.overwrite", "pipeline.allow_config_change", "pipeline.progress",
+                     "pipeline.tensorboard", "pipeline.steps", "pipeline.eval_every", "pipeline.eval_prompts",
+                     "pipeline.checkpoint_every", "pipeline.out_dir", "sync.", "rollout.endpoints",
+                     "teacher.endpoints", "mesh.")
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict) or not d or prefix.endswith(("options.", "vllm.")):
+        return {prefix[:-1]: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}."))
+    return out
+
+
+def config_changes(old: dict, new: dict, may_change: tuple[str, ...] = RESUME_MAY_CHANGE) -> list[tuple]:
+    """(key, old value, new value) for every config key that differs between a run's saved config and a resume's,
+    leaving out `may_change` (exact keys, or prefixes ending in '.')."""
+    a, b = _flatten(old), _flatten(new)
+    keys = sorted(set(a) | set(b))
+    free = lambda k: any(k == m or (m.endswith(".") and k.startswith(m)) for m in may_change)  # noqa: E731
+    return [(k, a.get(k, "<unset>"), b.get(k, "<unset>")) for k in keys if not free(k) and a.get(k) != b.get(k)]
+
+
+def check_resume_config(out_dir: str | pathlib.Path, new: dict, *, allow: bool) -> list[tuple]:
+    """Compare a resume's config with the run's config.json: RunDirError naming the keys that differ, unless
+    `allow` (pipeline.allow_config_change), when the changes are appended to config_changes.jsonl and returned."""
+    path = pathlib.Path(out_dir) / "config.json"
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []  # nothing recorded (an older run, or none): nothing to compare
+    changes = config_changes(old, new)
+    if changes and not allow:
+        shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes[:8])
+        more = f" (and {len(changes) - 8} more)" if len(changes) > 8 else ""
+        raise RunDirError(f"pipeline.resume=true with a config that differs from the run's ({shown}{more}); resume "
+                          "with the run's own config, or add pipeline.allow_config_change=true to continue with the "
+                          "new values (recorded in config_changes.jsonl)")
+    if changes:
+        with open(pathlib.Path(out_dir) / "config_changes.jsonl", "a") as f:
+            f.write(json.dumps({"changes": [[k, a, b] for k, a, b in changes]}, default=str) + "\n")
+    return changes
 
 
 def write_json(path: str | pathlib.Path, obj: Any) -> None:

@@ -147,6 +147,41 @@ def test_publishing_over_a_wire_transport_trains_exactly_as_in_process(pair, tmp
     assert [x["loss"] for x in la] == [x["loss"] for x in lb]
 
 
+def test_a_resume_that_changes_what_is_trained_is_refused_naming_the_keys(pair, tmp_path):
+    """Issue 29 row 2: resuming with another lr / loss / temperature trained a mixed run silently. It is refused,
+    nothing is touched; `pipeline.allow_config_change=true` continues and records the change; steps may grow."""
+    from opdjax.pipeline.rundir import RunDirError
+
+    pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=2", "pipeline.eval_every=0"), log=lambda s: None)
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    changed = ("optim.lr=0.05", "loss.name=forward_kl_topk", "rollout.temperature=0.5")
+    with pytest.raises(RunDirError, match=r"loss.name: 'reverse_kl_sampled' -> 'forward_kl_topk'.*optim.lr: "
+                                          r"0.0003 -> 0.05.*rollout.temperature: 1.0 -> 0.5.*allow_config_change"):
+        pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=3", "pipeline.eval_every=0", "pipeline.resume=true",
+                            *changed), log=lambda s: None)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+    assert not (tmp_path / "run" / "config_changes.jsonl").exists()
+    out = pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=3", "pipeline.eval_every=0", "pipeline.resume=true",
+                              "optim.lr=0.05", "pipeline.allow_config_change=true"), log=lambda s: None)
+    assert out["steps"] == 3
+    rec = json.loads((tmp_path / "run" / "config_changes.jsonl").read_text())
+    assert rec["changes"] == [["optim.lr", 0.0003, 0.05]]
+    assert oct((tmp_path / "run" / "config.json").stat().st_mode & 0o777) != oct(0o600)  # atomic writes keep modes
+
+
+def test_bad_out_dirs_are_one_line_errors(pair, tmp_path):
+    from opdjax.config import ConfigError
+    from opdjax.pipeline.rundir import RunDirError
+
+    with pytest.raises(ConfigError, match="pipeline.out_dir is empty"):
+        load(TrainConfig, None, ["pipeline.out_dir="])
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(RunDirError, match="is a file; expected a directory"):
+        pipeline.train(load(TrainConfig, None, [f"student={pair[0]}", f"teacher={pair[1]}", f"pipeline.out_dir={f}"]),
+                       log=lambda s: None)
+
+
 def test_kill_9_mid_run_then_resume_logs_every_step_once(pair, tmp_path):
     """Issue 16 row 4, with a real process: killed after the step-4 checkpoint and a few more steps, the resumed run's
     metrics.jsonl holds each step once and the initial evaluation under step 0."""
