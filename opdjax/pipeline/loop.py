@@ -79,6 +79,24 @@ def _sample(run: Run, stream: PromptStream, seed: int) -> _Rollout:
     return _Rollout(batch, examples[a:b], stream.position, time.time() - t0)
 
 
+class ZeroGradWatch:
+    """Says so when training is a no-op: `after` consecutive steps with an exactly zero gradient (a degenerate
+    sampling setting, a loss masked to nothing) log a warning once; `total` counts every such step."""
+
+    def __init__(self, log: Callable[[str], None], after: int = 5):
+        self.log, self.after, self.run, self.total = log, int(after), 0, 0
+
+    def update(self, step: int, grad_norm: float) -> None:
+        if grad_norm != 0.0:
+            self.run = 0
+            return
+        self.run += 1
+        self.total += 1
+        if self.run == self.after:
+            self.log(f"WARNING: the gradient has been exactly zero for {self.after} steps (through step {step}): "
+                     "training changes nothing; check the sampling settings, the loss and its mask")
+
+
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run OPD as configured; returns the summary (also written to <out_dir>/summary.json).
 
@@ -193,7 +211,7 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
     # Resumed at the last step (killed while writing the final results): evaluate the final weights again.
     last_eval = evaluate(state.params, start) if start >= pc.steps > 0 else initial_eval
     t_start = time.time()
-    step = start
+    step, zero_grad = start, ZeroGradWatch(log)
     try:
         while step < pc.steps:
             t0 = time.time()
@@ -224,6 +242,7 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
                 last_eval = evaluate(state.params, step)
                 m.update(last_eval)
             logger.log(step, m)
+            zero_grad.update(step, float(m.get("grad_norm", 1.0)))
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{m['loss']:.3f}", teacher_kl=f"{m.get('teacher_kl', float('nan')):.3f}",
@@ -252,6 +271,7 @@ def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
         "steps": step, "mode": pc.mode, "dropped_rollouts": dropped, "seconds": time.time() - t_start,
         "initial": initial_eval, "final": last_eval, "student_final": str(final_dir),
         "reverse_kl_ratio": last_eval["eval/reverse_kl"] / max(initial_eval["eval/reverse_kl"], 1e-9),
+        "zero_grad_steps": zero_grad.total,
     }
     outages = [*getattr(run.engine, "outages", ()), *getattr(run.teacher, "outages", ())]
     if outages:  # remote servers that went down (and came back) during the run

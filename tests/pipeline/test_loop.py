@@ -169,6 +169,16 @@ def test_a_resume_that_changes_what_is_trained_is_refused_naming_the_keys(pair, 
     assert oct((tmp_path / "run" / "config.json").stat().st_mode & 0o777) != oct(0o600)  # atomic writes keep modes
 
 
+def test_a_run_whose_gradient_stays_zero_says_so():
+    """Issue 29 row 3: a run whose gradient was exactly 0 for every step (temperature 1e-30: loss -0.0) ended with
+    rc 0 and no word. The loop's watch warns once after 5 zero steps in a row and counts them for the summary."""
+    said = []
+    watch = pipeline.ZeroGradWatch(said.append, after=5)
+    for step, g in enumerate([0.0, 0.0, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], start=1):
+        watch.update(step, g)
+    assert watch.total == 9 and len(said) == 1 and "exactly zero for 5 steps (through step 8)" in said[0]
+
+
 def test_bad_out_dirs_are_one_line_errors(pair, tmp_path):
     from opdjax.config import ConfigError
     from opdjax.pipeline.rundir import RunDirError
