@@ -4,18 +4,30 @@ convert (one module per command under `opdjax.cli`)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import pathlib
 import sys
 
-import jax
 
-from opdjax.cli.admission import add_admission_commands
-from opdjax.cli.measure import add_measure_command
-from opdjax.cli.serve import add_serve_command
-from opdjax.cli.study import add_study_command
-from opdjax.cli.tools import add_tool_commands
-from opdjax.cli.train import add_train_command
+class _NoTorchAdvice(logging.Filter):
+    """Drop transformers' import-time "PyTorch was not found" advice: opdjax needs only its tokenizers and
+    configuration utilities, so on a core install (no torch) the line reads as an error where there is none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+logging.getLogger("transformers").addFilter(_NoTorchAdvice())  # before anything imports transformers
+
+import jax  # noqa: E402
+
+from opdjax.cli.admission import add_admission_commands  # noqa: E402
+from opdjax.cli.measure import add_measure_command  # noqa: E402
+from opdjax.cli.serve import add_serve_command  # noqa: E402
+from opdjax.cli.study import add_study_command  # noqa: E402
+from opdjax.cli.tools import add_tool_commands  # noqa: E402
+from opdjax.cli.train import add_train_command  # noqa: E402
 
 __all__ = ["build_parser", "main"]
 
