@@ -287,6 +287,18 @@ class _FanOutLink:
             self.snapshots.close()
 
 
+def _retag(s: _Server) -> None:
+    """After a failed apply: tag every later token with the version the server says it serves now (a reload that
+    failed part-way leaves it serving its checkpoint, v0), and empty its prefix cache. A server that is gone (it
+    restarts itself when it cannot recover) is left to the outage logic."""
+    try:
+        info = s.call("POST", "/collective_rpc", {"method": "opdjax_info"})["results"][0]
+        s.call("POST", "/update_weight_version", {"new_version": str(int(info["version"]))})
+        s.call("POST", "/reset_prefix_cache")
+    except (_Down, KeyError, IndexError, TypeError, ValueError):
+        pass
+
+
 def _vllm_apply(s: _Server, version: int) -> None:
     """Make vLLM's server serve the staged `version`: requests in flight finish on the old weights, then the
     weights are loaded, every later token is tagged `version`, and the prefix cache is emptied."""
@@ -295,6 +307,7 @@ def _vllm_apply(s: _Server, version: int) -> None:
         try:
             s.call("POST", "/collective_rpc", {"method": "opdjax_apply", "args": [str(int(version))]})
         except _Down as e:  # vLLM answers a failed RPC with a 500; it is not a dead server
+            _retag(s)
             raise BridgeError(f"{s.endpoint} could not apply v{version}: {e}") from None
         s.call("POST", "/update_weight_version", {"new_version": str(int(version))})
         s.call("POST", "/reset_prefix_cache")

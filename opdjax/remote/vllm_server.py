@@ -48,7 +48,7 @@ from opdjax.models.config import ModelConfig
 from opdjax.remote.client import read_token
 from opdjax.remote.server import spec_fingerprint
 from opdjax.rollout import vllm_fp8_cpu
-from opdjax.rollout.vllm_engine import to_torch
+from opdjax.rollout.vllm_engine import recover_from_failed_reload, to_torch
 from opdjax.sync import ModelSpec, SnapshotWatcher, TcpReceiverServer, WeightReceiver
 from opdjax.sync.manifest import np_dtype
 
@@ -255,9 +255,15 @@ class OpdjaxWorker:
         try:
             self.reload_weights(weights_iterator=pending[1], is_checkpoint_format=True)
         except Exception as e:  # noqa: BLE001 - vLLM's layerwise reload is not all-or-nothing
-            raise _restart(f"v{v}: vLLM's reload failed part-way ({type(e).__name__}: {e}); its layers are "
-                           "half-updated, so this server exits and `opdjax serve` restarts it from its checkpoint "
-                           "(serving v0)") from e
+            why = f"v{v}: vLLM's reload failed part-way ({type(e).__name__}: {e})"
+            try:
+                recover_from_failed_reload(self)
+            except Exception as e2:  # noqa: BLE001 - the model cannot be made whole in this process
+                raise _restart(f"{why}; reloading the checkpoint failed too ({type(e2).__name__}: {e2}), so this "
+                               "server exits and `opdjax serve` restarts it from its checkpoint (serving v0)") from e2
+            st.target.version = 0
+            log.error("%s; every layer was reloaded from the checkpoint: serving v0", why)
+            raise RuntimeError(f"{why}; every layer was reloaded from the checkpoint: this server serves v0") from e
         st.target.version = v
         log.info("vllm server now serves weight version %d", v)
         return {"version": v}

@@ -29,7 +29,6 @@ layer). `kv_cache_dtype="fp8"` runs on CPUs with AVX-512/AMX; FP8 weights need a
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import pathlib
 import threading
@@ -56,7 +55,7 @@ from opdjax.rollout.vllm_settings import (
 )
 from opdjax.sync import BridgeError, InProcessTransport, ModelSpec, Publisher, WeightReceiver
 
-__all__ = ["VllmEngine", "import_vllm", "llm_kwargs", "target_activations", "to_torch"]
+__all__ = ["VllmEngine", "import_vllm", "llm_kwargs", "recover_from_failed_reload", "target_activations", "to_torch"]
 
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 
@@ -120,6 +119,17 @@ def target_activations(*, fp8_emulation: bool = False) -> str | None:
     from vllm.model_executor.layers.quantization.utils.w8a8_utils import cutlass_fp8_supported
 
     return "token" if cutlass_fp8_supported() else "tensor"
+
+
+def recover_from_failed_reload(worker) -> None:
+    """Run in a vLLM worker after `reload_weights` raised part-way: finish vLLM's layerwise reload state (layers on
+    the meta device get their old tensors back, half-loaded ones are materialized), then reload every layer from
+    the checkpoint on disk, so the model is whole again and serves the checkpoint (version 0)."""
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    runner = worker.model_runner
+    finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
+    runner.reload_weights(is_checkpoint_format=True)
 
 
 def _recipe_settings(cfg: ModelConfig, recipe: Any, kv_cache_dtype: str, quantization: str | None,
@@ -217,7 +227,7 @@ class VllmEngine:
             self.fp8_emulation = served_activations(self.recipe) or "tensor"
         kw.update(extra_llm_kwargs)
         self.llm_kwargs = kw
-        self.rebuilds = 0
+        self.recoveries = 0  # reloads that failed part-way, after which the checkpoint was reloaded
         self.llm = self._build()
         self._lock = threading.RLock()
         self._version = 0
@@ -266,9 +276,10 @@ class VllmEngine:
     def apply_weights(self, named: Iterable[tuple[str, Any]], version: int) -> None:
         """Receiver target: load validated HF-named tensors with reload_weights, reset the prefix cache, tag.
 
-        vLLM's layerwise reload is not all-or-nothing: a failure part-way leaves layers on the meta device. Then
-        the engine is rebuilt from its checkpoint (it serves version 0, `rebuilds` counts it) and a BridgeError
-        says so — it never claims to serve weights it does not have.
+        vLLM's layerwise reload is not all-or-nothing: a failure part-way leaves layers on the meta device or
+        half-loaded. Then every layer is reloaded from the checkpoint (`recover_from_failed_reload`): the engine
+        serves version 0, `recoveries` counts it, and a BridgeError says so — it never claims to serve weights it
+        does not have.
         """
         t0 = time.perf_counter()
         tensors = ((n, to_torch(a)) for n, a in named)  # converted as vLLM consumes them
@@ -277,22 +288,20 @@ class VllmEngine:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors,
                                                                   "is_checkpoint_format": True})
             except Exception as e:  # noqa: BLE001 - any failure inside vLLM's reload leaves it half-updated
-                self._rebuild()
+                self.llm.collective_rpc(recover_from_failed_reload)
+                self._tag(0)
+                self.recoveries += 1
                 raise BridgeError(f"v{int(version)}: vLLM's reload failed part-way ({type(e).__name__}: {e}); its "
-                                  f"layers were left half-updated, so the engine was rebuilt from its checkpoint "
-                                  f"and serves v0") from e
-            if not self.llm.reset_prefix_cache():
-                raise RuntimeError("vLLM refused to reset its prefix cache after the weight update")
-            self.llm.llm_engine.set_weight_version(str(int(version)))
-            self._version = int(version)
+                                  f"layers were left half-updated, so every layer was reloaded from the checkpoint: "
+                                  f"the engine serves v0") from e
+            self._tag(int(version))
         self.last_stats = {"reload_s": time.perf_counter() - t0}
 
-    def _rebuild(self) -> None:
-        self.llm = None
-        gc.collect()
-        self.llm = self._build()
-        self._version = 0
-        self.rebuilds += 1
+    def _tag(self, version: int) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after the weight update")
+        self.llm.llm_engine.set_weight_version(str(int(version)))
+        self._version = int(version)
 
     # -- generation ----------------------------------------------------------------------------------------------
     def _check_ids(self, what: str, ids: np.ndarray) -> None:

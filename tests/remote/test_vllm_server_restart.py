@@ -1,6 +1,6 @@
 """A weight reload that fails part-way inside vLLM's server is never reported as "still serving the previous
-version": the worker extension says why, asks `opdjax serve` for a restart and exits; `opdjax serve` starts the
-server again from its checkpoint and says so."""
+version": the worker extension reloads every layer from the checkpoint and says it serves v0; when even that fails
+it asks `opdjax serve` for a restart and exits, and `opdjax serve` starts the server again and says so."""
 
 import argparse
 import json
@@ -27,14 +27,24 @@ class _FakeWorker(vllm_server.OpdjaxWorker):
         raise RuntimeError("out of memory materializing model.layers.1.mlp")
 
 
-def test_a_failed_reload_asks_for_a_restart_instead_of_claiming_the_old_version(tmp_path, monkeypatch):
+def test_a_failed_reload_is_recovered_from_the_checkpoint_and_reported_as_v0(monkeypatch):
+    recovered = []
+    monkeypatch.setattr(vllm_server, "recover_from_failed_reload", recovered.append)
+    w = _FakeWorker()
+    with pytest.raises(RuntimeError, match="v3: vLLM's reload failed part-way.*reloaded from the checkpoint: this "
+                                           "server serves v0"):
+        w.opdjax_apply("3")
+    assert recovered == [w] and w._opdjax_state.target.version == 0
+
+
+def test_a_failed_reload_that_cannot_recover_asks_for_a_restart(tmp_path, monkeypatch):
     restart, exits = tmp_path / "restart", []
     done = threading.Event()
     monkeypatch.setenv("OPDJAX_RESTART_FILE", str(restart))
     monkeypatch.setattr(vllm_server, "_EXIT", lambda code: (exits.append(code), done.set()))
     w = _FakeWorker()
-    with pytest.raises(RuntimeError, match="v3: vLLM's reload failed part-way.*out of memory.*restarts it from its "
-                                           "checkpoint"):
+    with pytest.raises(RuntimeError, match="v3: vLLM's reload failed part-way.*out of memory.*reloading the "
+                                           "checkpoint failed too.*restarts it"):
         w.opdjax_apply("3")
     assert done.wait(10) and exits == [vllm_server.RESTART_EXIT_CODE]
     assert "failed part-way" in restart.read_text()

@@ -158,9 +158,10 @@ def test_fp8_log_probs_follow_each_version_and_match_the_simulation(engine, cfg)
         prev = b.rollout_logp_BT
 
 
-def test_a_reload_that_fails_part_way_rebuilds_the_engine_and_says_so(engine, cfg, monkeypatch):
-    """vLLM's layerwise reload leaves layers on the meta device when it fails part-way: the engine is rebuilt from its
-    checkpoint, serves v0 (log-probs of the checkpoint), the refusal says so, and the next publish lands."""
+def test_a_reload_that_fails_part_way_reloads_the_checkpoint_and_says_so(engine, cfg, monkeypatch):
+    """vLLM's layerwise reload leaves layers on the meta device when it fails part-way: every layer is reloaded
+    from the checkpoint in place (the engine is not torn down), it serves v0 (the checkpoint's log-probs), the
+    refusal says so, and the next publish lands."""
     from opdjax.rollout import vllm_engine
 
     prompts, sp = _prompts(4, seed=7), SamplingParams(max_new_tokens=4, temperature=1.0)
@@ -173,11 +174,12 @@ def test_a_reload_that_fails_part_way_rebuilds_the_engine_and_says_so(engine, cf
             raise MemoryError("simulated failure on the 9th tensor")
         return real(a)
     monkeypatch.setattr(vllm_engine, "to_torch", failing)
-    with pytest.raises(BridgeError, match="failed part-way.*rebuilt from its checkpoint.*serves v0"):
+    with pytest.raises(BridgeError, match="failed part-way.*reloaded from the checkpoint: the engine serves v0"):
         engine.update_weights(hf.named_params(cfg, _params(cfg, 16)), 6)
     monkeypatch.setattr(vllm_engine, "to_torch", real)
-    assert engine.version == 0 and engine.rebuilds == 1
+    assert engine.version == 0 and engine.recoveries == 1 and engine.receiver.version == 0
     b = engine.generate(prompts, sp, seed=1)
+    assert (b.version_B == 0).all()
     ckpt = JaxEngine(cfg, hf.load_state(engine.model_path, cfg)[1], recipe=RECIPE, dtype="bfloat16")
     gap = np.abs(ckpt.score(b.tokens_BT, b.valid_BT)["logp_BT"] - b.rollout_logp_BT)[b.completion_mask_BT].mean()
     assert gap < 0.05, gap  # the checkpoint's weights, FP8 as the recipe says
