@@ -15,7 +15,8 @@ __all__ = ["guard"]
 def guard(fn: Callable) -> Callable:
     """Run a command; an `OpdjaxError` (a config, checkpoint, vocabulary, recipe, budget or manifest that is wrong,
     servers that do not answer) prints `opdjax <command>: error: <Error>: <message>` to stderr and returns exit
-    code 2; with `--debug` it propagates with its traceback."""
+    code 2; with `--debug` it propagates with its traceback. Ctrl-C prints `opdjax <command>: interrupted` and
+    returns 130 (what a run leaves behind resumes with pipeline.resume=true)."""
     @functools.wraps(fn)
     def wrapped(args) -> int:
         try:
@@ -25,4 +26,9 @@ def guard(fn: Callable) -> Callable:
                 raise
             print(f"opdjax {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # Ctrl-C (and SIGTERM where a command maps it): one line, the shell's code
+            if getattr(args, "debug", False):
+                raise
+            print(f"opdjax {args.command}: interrupted", file=sys.stderr)
+            return 130
     return wrapped

@@ -1,0 +1,31 @@
+"""Issue 29: Ctrl-C during `opdjax train` ends with one line and exit code 130 (it was a 44-line traceback), and
+the run it leaves resumes."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_train_prints_one_line_and_exits_130(pair, tmp_path):
+    out = tmp_path / "run"
+    args = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
+            "rollout.max_new_tokens=4", "pipeline.eval_every=0", "pipeline.eval_prompts=8", "pipeline.steps=200",
+            "pipeline.checkpoint_every=2", "pipeline.progress=false", "pipeline.tensorboard=false",
+            f"pipeline.out_dir={out}"]
+    p = subprocess.Popen([sys.executable, "-m", "opdjax.cli", "train", *args], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+        if any("loss" in json.loads(x) for x in lines if x.strip()):
+            break
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    err = p.communicate(timeout=120)[1]
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "opdjax train: interrupted", err[-3000:]
