@@ -183,3 +183,17 @@ def test_a_temperature_that_overflows_the_logits_is_refused():
     with pytest.raises(ValueError, match="use 0 for greedy"):
         SamplingParams(temperature=1e-30)  # the engines, used directly, take the same SamplingParams
     assert SamplingParams(temperature=0).temperature == 0 and load(TrainConfig, None, ["rollout.temperature=0"])
+
+
+def test_a_completion_longer_than_the_builtin_student_is_refused_before_the_pair_is_prepared(tmp_path, capsys):
+    """Issue 29: rollout.max_new_tokens=100000 with no cached built-in pair trained the teacher for 2.5 minutes
+    before refusing; now the length is checked against the pair's configured size first."""
+    import time
+
+    t0 = time.perf_counter()
+    argv = ["train", "rollout.max_new_tokens=100000", f"prepare.cache_dir={tmp_path / 'cache'}",
+            f"pipeline.out_dir={tmp_path / 'run'}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rollout.max_new_tokens=100000 leaves no room for a prompt" in err[0], err
+    assert time.perf_counter() - t0 < 30 and not (tmp_path / "cache").exists()

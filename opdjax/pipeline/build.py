@@ -21,7 +21,7 @@ from opdjax.data.tasks import Task
 from opdjax.learner import Learner, make_optimizer
 from opdjax.models import ModelConfig, hf
 from opdjax.models.sharding import make_mesh
-from opdjax.models.tiny import load_tokenizer
+from opdjax.models.tiny import load_tokenizer, tiny_config
 from opdjax.remote.client import RemoteEngine, RemoteTeacher, read_token
 from opdjax.rollout import RolloutEngine, SamplingParams
 from opdjax.rollout.jax_engine import JaxEngine
@@ -156,6 +156,8 @@ def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True) -> Run:
         task = tasks.get_task(cfg.task.name, **cfg.task.options)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"task {cfg.task.name!r} with task.options={dict(cfg.task.options)}: {e}") from None
+    if cfg.student.path == "builtin":  # preparing the built-in pair takes minutes: fail on lengths first
+        check_lengths(cfg, None, None, tiny_config(cfg.prepare.family, cfg.prepare.student_size).max_position_embeddings)
     student_path, teacher_path = resolve_models(cfg, log)
     tokenizer = load_tokenizer(student_path)
     try:
