@@ -27,7 +27,7 @@ demo: $(VENV)/.core
 	$(BIN)/opdjax train pipeline.overwrite=true
 
 test: $(VENV)/.test
-	OPDJAX_REQUIRE_VLLM=$${OPDJAX_REQUIRE_VLLM:-0} $(BIN)/python -m pytest -q
+	OPDJAX_REQUIRE_VLLM=$${OPDJAX_REQUIRE_VLLM:-1} $(BIN)/python -m pytest -q
 
 bench: $(VENV)/.test
 	$(BIN)/python benchmarks/bench_mismatch.py

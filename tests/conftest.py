@@ -33,6 +33,20 @@ def cpu_devices():
     return devs
 
 
+REQUIRE = os.environ.get("OPDJAX_REQUIRE_VLLM") == "1"  # `make test` and CI: every reference must run
+
+
+def require_reference(name: str):
+    """Import a reference implementation (torch, transformers): skipped where it is not installed, but an import
+    error — a red suite — under OPDJAX_REQUIRE_VLLM=1 (`make test`, CI), where a broken install must not turn
+    "logits match transformers" into a green skip."""
+    if REQUIRE:
+        import importlib
+
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
+
+
 @pytest.fixture(scope="session")
 def vllm_module():
     """The real vllm package: skipped when missing, a failure when OPDJAX_REQUIRE_VLLM=1 (as in CI)."""

@@ -10,8 +10,10 @@ from flax import nnx
 
 from opdjax.models import ModelConfig, create, hf, init_cache, load_model, save_model
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from tests.conftest import require_reference  # noqa: E402
+
+torch = require_reference("torch")
+transformers = require_reference("transformers")
 
 LLAMA3_ROPE = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
                ("original_max_position_embeddings", 16.0))

@@ -5,6 +5,8 @@ import json
 import numpy as np
 import pytest
 
+from tests.conftest import require_reference
+
 from opdjax.cli.main import main
 from opdjax.models import load_model
 from opdjax.models.tiny import SPECIAL_TOKENS, load_tokenizer, make_tiny
@@ -32,7 +34,7 @@ def test_make_tiny_reuses_a_shared_tokenizer(tmp_path):
     tok = load_tokenizer(a)
     b = make_tiny(tmp_path / "b", size="small", tokenizer=tok, seed=1)
     assert load_tokenizer(b).get_vocab() == tok.get_vocab()
-    transformers = pytest.importorskip("transformers")
+    transformers = require_reference("transformers")
     m = transformers.AutoModelForCausalLM.from_pretrained(str(b))
     assert m.config.vocab_size == json.loads((a / "config.json").read_text())["vocab_size"]
     assert np.isfinite(m(**tok("1+1=", return_tensors="pt")).logits.detach().numpy()).all()

@@ -15,14 +15,31 @@ from opdjax.pipeline import loop as pipeline
 from tests.pipeline.test_loop import _cfg, _lines
 
 
+START_TIMEOUT = 420.0  # seconds for a server to print its ready line (a vLLM server loads in ~60 s here)
+
+
+def _readline(p, deadline: float) -> str:
+    """The next stdout line of `p`, or a test failure (the process killed) once `deadline` passes: a stuck server
+    must fail its test, not hang the suite."""
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(p.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(max(deadline - time.time(), 0.0))
+    if not box:
+        p.kill()
+        pytest.fail(f"no line from {p.args[3:6]} within {START_TIMEOUT:.0f}s")
+    return box[0]
+
+
 def _start(role, pair, token_file, *extra):
     """`opdjax serve --role ROLE` with `extra` flags (and overrides after them) on the pair; (process, ready line)."""
     cmd = [sys.executable, "-m", "opdjax.cli", "serve", "--role", role, "--token-file", token_file, *extra,
            f"student={pair[0]}", f"teacher={pair[1]}"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = p.stdout.readline()  # the ready line (or EOF when it died)
+    deadline = time.time() + START_TIMEOUT
+    line = _readline(p, deadline)  # the ready line (or EOF when it died)
     while line and not line.startswith('{"event"'):
-        line = p.stdout.readline()
+        line = _readline(p, deadline)
     if not line:
         p.wait(timeout=30)
         pytest.fail(f"opdjax serve --role {role} exited with {p.returncode} before it was ready")
