@@ -105,6 +105,8 @@ class WeightReceiver:
             validate(manifest, self.spec, served_version=self.version)
         except BridgeError as e:
             raise self.refuse(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a field of a type no check anticipated: still a refusal, named
+            raise self.refuse(f"manifest v{manifest.version} rejected: malformed ({type(e).__name__}: {e})") from None
 
     def receive_payload(self, manifest: Manifest, payload: Any, *, verified: bool = False) -> None:
         """Apply a publish whose tensors lie back to back in one buffer (file snapshot, TCP).
