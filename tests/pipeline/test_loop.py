@@ -108,6 +108,33 @@ def test_async_drops_stale_rollouts_and_counts_them(pair, tmp_path):
     assert summary["dropped_rollouts"] == steps[-1]["dropped"] >= 1
 
 
+def test_a_failing_async_rollout_worker_stops_the_run_with_its_error_and_the_run_resumes(pair, tmp_path, monkeypatch):
+    """Issue 29 audit: async beyond the drop cut-off — a rollout worker that fails surfaces its error on the learner
+    thread (not a hang), and the async run resumes from its checkpoint, logging each step once."""
+    real, calls = pipeline.generate, []
+
+    def flaky(run, examples, seed):
+        calls.append(seed)
+        if len(calls) == 5:
+            raise OSError("rollout engine lost its device")
+        return real(run, examples, seed)
+    monkeypatch.setattr(pipeline, "generate", flaky)
+    cfg = _cfg(pair, tmp_path, "pipeline.mode=async", "pipeline.max_staleness=1", "pipeline.queue_size=1",
+               "pipeline.steps=6", "pipeline.checkpoint_every=1", "pipeline.eval_every=0")
+    with pytest.raises(RuntimeError, match="rollout worker failed") as info:
+        pipeline.train(cfg, log=lambda s: None)
+    assert isinstance(info.value.__cause__, OSError)
+    monkeypatch.setattr(pipeline, "generate", real)
+    done = [x["step"] for x in _lines(tmp_path) if "loss" in x]
+    assert 1 <= len(done) < 6
+    summary = pipeline.train(_cfg(pair, tmp_path, "pipeline.mode=async", "pipeline.max_staleness=1",
+                                  "pipeline.queue_size=1", "pipeline.steps=6", "pipeline.checkpoint_every=1",
+                                  "pipeline.eval_every=0", "pipeline.resume=true"), log=lambda s: None)
+    steps = [x for x in _lines(tmp_path) if "loss" in x]
+    assert summary["steps"] == 6 and [x["step"] for x in steps] == list(range(1, 7))
+    assert all(x["staleness"] <= 1 for x in steps)
+
+
 @pytest.mark.parametrize("loss", ["forward_kl_topk", "jsd", "reinforce"])
 def test_losses_get_the_teacher_data_they_declare(pair, tmp_path, loss):
     extra = ["rollout.samples_per_prompt=2"] if loss == "reinforce" else []
@@ -215,6 +242,10 @@ def test_kill_9_mid_run_then_resume_logs_every_step_once(pair, tmp_path):
         time.sleep(0.1)
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
+    # the kill landed mid-run: past the step-4 checkpoint, before the end (no summary, steps left to run)
+    assert p.returncode == -signal.SIGKILL and not (tmp_path / "run" / "summary.json").exists()
+    killed_at = max(x.get("step", 0) for x in _lines(tmp_path))
+    assert 4 <= killed_at < 10, killed_at
     summary = pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=10", "pipeline.checkpoint_every=4",
                                   "pipeline.eval_every=0", "pipeline.resume=true"), log=lambda s: None)
     lines = _lines(tmp_path)
