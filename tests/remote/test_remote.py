@@ -163,3 +163,35 @@ def test_a_server_on_this_host_takes_weights_from_shared_memory(pair, tmp_path):
                              shm_root=str(root))
         with pytest.raises(ServerRefused, match="--shm-root"):
             Publisher(cfg, other.link, dtype="float32").publish(params, 3)
+
+
+def test_client_error_paths_are_clear(pair, tmp_path):
+    """Issue 29 audit: no server within wait_s, a server of the wrong role or temperature, a missing or empty token
+    file: each a named error, quickly."""
+    import socket
+    import time
+
+    from opdjax.core.errors import InputError
+    from opdjax.remote.client import RemoteTeacher, ServersUnavailable, read_token
+
+    mcfg = ModelConfig.from_dir(pair[0])
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    t0 = time.perf_counter()
+    with pytest.raises(ServersUnavailable, match=f"no rollout server answered within 1s.*127.0.0.1:{dead}"):
+        RemoteEngine([f"127.0.0.1:{dead}"], TOKEN, mcfg, pad_id=0, wait_s=1)
+    assert time.perf_counter() - t0 < 20
+    teacher = JaxTeacher.from_pretrained(pair[1])
+    with EngineServer(teacher=teacher, token=TOKEN) as ts, EngineServer(engine=_engine(pair[0]), token=TOKEN) as rs:
+        with pytest.raises(ServerRefused, match="is a 'teacher' server, expected a rollout server"):
+            RemoteEngine([f"127.0.0.1:{ts.port}"], TOKEN, mcfg, pad_id=0, wait_s=1)
+        with pytest.raises(ServerRefused, match="is a 'rollout' server, expected a teacher server"):
+            RemoteTeacher([f"127.0.0.1:{rs.port}"], TOKEN, mcfg, temperature=1.0, wait_s=1)
+        with pytest.raises(ServerRefused, match=r"scores at temperature 1.0, the run asks for teacher.temperature=0.5"):
+            RemoteTeacher([f"127.0.0.1:{ts.port}"], TOKEN, mcfg, temperature=0.5, wait_s=1)
+    with pytest.raises(InputError, match="token file .* No such file"):
+        read_token(str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(InputError, match="is empty; put the shared secret in it"):
+        read_token(str(tmp_path / "empty"))
