@@ -84,10 +84,10 @@ def processed_logprobs(logits_BV: Array, temperature: float, top_k: int = 0, top
     x = logits / T; top-k keeps tokens with x >= the k-th largest x (ties at the boundary kept); top-p then keeps
     the smallest set of most likely tokens whose mass reaches top_p — token j is kept iff the mass of the tokens
     ranked above it is < top_p (the most likely token always), again as a threshold on x; the result is
-    log_softmax over the kept tokens and -inf elsewhere. temperature, top_k and top_p are static (Python numbers);
-    temperature must be > 0.
+    log_softmax over the kept tokens and -inf elsewhere. top_k and top_p are static (Python numbers); temperature
+    (> 0) may be a traced scalar, so a new temperature does not compile a new program.
     """
-    x = logits_BV.astype(jnp.float32) / jnp.float32(temperature)
+    x = logits_BV.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
     V = x.shape[-1]
     if 0 < top_k < V:
         kth = jax.lax.top_k(x, top_k)[0][..., -1:]
@@ -170,13 +170,14 @@ def _gumbel_max(key: Array, logp_V: Array) -> Array:
     return argmax_first(g + logp_V)
 
 
-def _sample(logits_BV: Array, keys_B: Array, sampling: SamplingParams) -> tuple[Array, Array]:
-    """(token [B] int32, its processed log-prob [B] f32); one key per row."""
+def _sample(logits_BV: Array, keys_B: Array, sampling: SamplingParams, temperature: Array) -> tuple[Array, Array]:
+    """(token [B] int32, its processed log-prob [B] f32); one key per row. Greedy iff sampling.temperature == 0
+    (static); otherwise `temperature` (traced) divides the logits."""
     if sampling.temperature == 0:
         tok = argmax_first(logits_BV)
         logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
     else:
-        logp_BV = processed_logprobs(logits_BV, sampling.temperature, sampling.top_k, sampling.top_p)
+        logp_BV = processed_logprobs(logits_BV, temperature, sampling.top_k, sampling.top_p)
         tok = jax.vmap(_gumbel_max)(keys_B, logp_BV)
     return tok, jnp.take_along_axis(logp_BV, tok[:, None], axis=-1)[:, 0]
 
@@ -196,8 +197,8 @@ _GENERATE_STATIC = ("cfg", "graphdef", "hooks", "sampling", "stop_ids", "pad_id"
 
 
 @functools.partial(jax.jit, static_argnames=_GENERATE_STATIC)
-def _generate_jit(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sampling, stop_ids, pad_id,
-                  cache_dtype, merge, decode_attention):
+def _generate_jit(params, tokens_BP, valid_BP, seed, temperature, *, cfg, graphdef, hooks, sampling, stop_ids,
+                  pad_id, cache_dtype, merge, decode_attention):
     """Prefill [B, P] into a cache of P + N slots, then decode one token per step until N tokens or all stopped.
     merge: run q/k/v and gate/up as one matmul each (`decoder.merge_projections`, built once, before the loop);
     decode_attention: the decode step's attention (`decoder.DECODE_ATTENTION_IMPLS`; "pallas" rounds the cache up
@@ -220,7 +221,7 @@ def _generate_jit(params, tokens_BP, valid_BP, seed, *, cfg, graphdef, hooks, sa
 
     def sample(logits_BV, step):
         keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
-        return _sample(logits_BV, keys, sampling)
+        return _sample(logits_BV, keys, sampling, temperature)
 
     tok0, lp0 = sample(logits_B1V[:, 0], 0)  # left padding: the last prompt slot is always a real token
     out_tok = jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(tok0)
@@ -483,6 +484,7 @@ class JaxEngine:
         valid_BP[n:, -1] = True  # padding rows: one pad token, dropped afterwards
         tok_d, valid_d = self._put(tokens_BP, valid_BP)
         out_tok, out_lp, out_mask, steps = _generate_jit(params, tok_d, valid_d, jnp.uint32(int(seed) & 0xFFFFFFFF),
+                                                         jnp.float32(sampling.temperature),
                                                          **self._generate_static(sampling))
         out_tok, out_lp, out_mask = (np.asarray(a)[:n] for a in (out_tok, out_lp, out_mask))
         self.last_stats = {"batch_bucket": B, "prompt_bucket": P, "decode_steps": int(steps)}
@@ -505,7 +507,9 @@ class JaxEngine:
         """The static arguments of `_generate_jit` for this engine and sampling (its stop ids: the sampling's and
         eos_id)."""
         stop_ids = tuple(sorted(set(sampling.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())))
-        return dict(cfg=self.cfg, graphdef=self.graphdef, hooks=self.hooks, sampling=sampling, stop_ids=stop_ids,
+        # The temperature travels as a traced argument: the static sampling keeps only greedy-or-not (0 or 1).
+        static = dataclasses.replace(sampling, temperature=0.0 if sampling.temperature == 0 else 1.0)
+        return dict(cfg=self.cfg, graphdef=self.graphdef, hooks=self.hooks, sampling=static, stop_ids=stop_ids,
                     pad_id=self.pad_id, cache_dtype=self.cache_dtype, merge=self.merge_projections,
                     decode_attention=self.decode_attention)
 
@@ -515,7 +519,8 @@ class JaxEngine:
         params, _ = self._snapshot()
         B, P = bucket_batch(n_prompts, self._batch_multiple()), bucket_len(prompt_len)
         tok_d, valid_d = self._put(np.zeros((B, P), np.int32), np.ones((B, P), bool))
-        return _generate_jit.lower(params, tok_d, valid_d, jnp.uint32(0), **self._generate_static(sampling))
+        return _generate_jit.lower(params, tok_d, valid_d, jnp.uint32(0), jnp.float32(sampling.temperature),
+                                   **self._generate_static(sampling))
 
     # -- scoring -------------------------------------------------------------------------------------------------
     def score(self, tokens_BT: np.ndarray, valid_BT: np.ndarray, *, temperature: float = 1.0,

@@ -1,6 +1,7 @@
 """JaxEngine: KV-cache sampling matches a full-forward recompute, sampling follows the processed distribution,
 stops and padding behave, weight updates are atomic and staleness / quantization / noise knobs do what they say."""
 
+import dataclasses
 import threading
 
 import jax
@@ -243,6 +244,12 @@ def test_same_buckets_and_new_weights_do_not_recompile(model, engine):
     eng.update_weights(hf.named_params(cfg, s1), 1)
     eng.generate(PROMPTS, sp, seed=2)
     assert jax_engine._generate_jit._cache_size() == n
+    # Issue 29: every new temperature compiled a new program (4-5 s, +210 MB, under a server's request lock); the
+    # temperature is a traced argument now, and each still samples its own distribution.
+    outs = [eng.generate(PROMPTS, dataclasses.replace(sp, temperature=t), seed=3) for t in (0.5, 0.77, 1.3)]
+    assert jax_engine._generate_jit._cache_size() == n
+    lp = [o.rollout_logp_BT[o.completion_mask_BT].mean() for o in outs]
+    assert lp[0] > lp[1] > lp[2]  # sharper distributions at lower temperatures: higher sampled log-probs
 
 
 def _probe(model):
