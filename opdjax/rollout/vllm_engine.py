@@ -159,8 +159,10 @@ def llm_kwargs(model_path: str, cfg: ModelConfig, *, dtype: str | None = "auto",
     kv_cache_dtype / quantization.
     """
     rec = as_recipe(recipe)
+    auto_bf16 = quantization is not None and dtype in (None, "auto")  # a vLLM method passed as it is: bf16 too
     kw: dict[str, Any] = dict(
-        model=str(model_path), dtype=engine_dtype(dtype, rec), seed=int(seed), kv_cache_dtype=kv_cache_dtype,
+        model=str(model_path), dtype="bfloat16" if auto_bf16 else engine_dtype(dtype, rec), seed=int(seed),
+        kv_cache_dtype=kv_cache_dtype,
         kv_cache_memory_bytes=int(kv_cache_memory_bytes),
         max_model_len=int(max_model_len or min(cfg.max_position_embeddings, 2048)),
         max_num_seqs=int(max_num_seqs), enable_prefix_caching=bool(enable_prefix_caching),
@@ -282,7 +284,7 @@ class VllmEngine:
         does not have.
         """
         t0 = time.perf_counter()
-        tensors = ((n, to_torch(a)) for n, a in named)  # converted as vLLM consumes them
+        tensors = [(n, to_torch(a)) for n, a in named]  # a list: a multiprocess engine pickles the RPC's kwargs
         with self._lock:
             try:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors,
