@@ -30,11 +30,11 @@ import urllib.request
 
 from opdjax import config, quant
 from opdjax.cli.common import guard
+from opdjax.core.errors import InputError
 from opdjax.models import ModelConfig, hf
 from opdjax.models.sharding import make_mesh
 from opdjax.models.tiny import load_tokenizer
 from opdjax.pipeline.build import make_engine, make_teacher, resolve_models
-from opdjax.core.errors import InputError
 from opdjax.remote.client import read_token
 from opdjax.remote.protocol import ServerLimits
 from opdjax.remote.server import EngineServer
@@ -164,9 +164,10 @@ def _wait_ready(proc, url: str, token: str, timeout: float) -> dict:
 def _serve_vllm(args, cfg: config.TrainConfig, path: str, token: str) -> int:
     """vLLM's own server with opdjax's extension as a child process; the ready line once it answers.
 
-    A child that asks to be restarted (a weight reload that failed part-way leaves vLLM's layers half-updated, so
-    the extension writes the reason to OPDJAX_RESTART_FILE and exits) is started again from its checkpoint, serving
-    version 0, with a {"event": "restarted", "reason"} line; clients then publish the newest weights to it again.
+    A child that asks to be restarted (a weight reload that failed part-way and whose in-place recovery from the
+    checkpoint failed too: the extension writes the reason to OPDJAX_RESTART_FILE and exits) is started again from
+    its checkpoint, serving version 0, with a {"event": "restarted", "reason"} line; clients then publish the newest
+    weights to it again.
     """
     port = args.port or _free_port(args.host)
     argv, env = vllm_command(path, role=args.role, token_file=os.path.abspath(args.token_file), host=args.host,

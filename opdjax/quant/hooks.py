@@ -30,7 +30,8 @@ class ForwardQuant:
     The decoder calls, at trace time:
       act(module, x)              before each linear layer `module` (HF name, e.g. "model.layers.0.mlp.up_proj")
       kv(layer, kind, x_BTKH)     on the keys ("k") / values ("v") written to the cache of layer `layer`
-      weight(module, w_IO)        optionally, on a kernel [in, out] (same result as `apply_to_named`)
+      weight(module, w_IO)        optionally, on a kernel [in, out] (its own scale; `apply_to_named` also shares
+                                  one scale across a vLLM fused layer)
     All are the identity where the recipe quantizes nothing.
     """
 

@@ -42,9 +42,9 @@ import numpy as np
 
 from opdjax.models.config import ModelConfig
 from opdjax.quant import as_recipe
+from opdjax.rollout import vllm_fp8_cpu
 from opdjax.rollout.base import RolloutBatch, SamplingParams, check_token_ids
 from opdjax.rollout.jax_engine import bucket_len
-from opdjax.rollout import vllm_fp8_cpu
 from opdjax.rollout.vllm_settings import (
     HardwareError,
     engine_dtype,
