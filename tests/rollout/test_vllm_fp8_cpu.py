@@ -132,29 +132,42 @@ def test_publishes_land_in_fp8_with_vllms_fused_scale_and_kept_layers_stay_high_
         served_before = served[f"{p0}.self_attn.qkv_proj.weight"][1]
 
 
+def rivals(recipe: quant.Recipe) -> dict[str, quant.Recipe | None]:
+    """The simulation of `recipe` and the near misses it must beat: no FP8, one scale per HF tensor (unfused), the
+    other activation scheme."""
+    other = "tensor" if recipe.activations.granularity == "token" else "token"
+    return {"sim": recipe, "plain": None, "unfused": recipe.replace(fused_scales=False),
+            "other_activations": recipe.replace(activations=quant.QSpec("e4m3", other))}
+
+
+def closest(engines: dict, batch) -> dict[str, float]:
+    """Mean |log-prob gap| on the batch's sampled tokens between each JaxEngine and what vLLM served."""
+    m = batch.completion_mask_BT
+    return {k: float(np.abs(e.score(batch.tokens_BT, batch.valid_BT)["logp_BT"] - batch.rollout_logp_BT)[m].mean())
+            for k, e in engines.items()}
+
+
 def test_fp8_log_probs_follow_each_version_and_match_the_simulation(engine, cfg):
-    """The emulated engine's sampled-token log-probs change with each version and match the JAX simulation of the
-    same recipe (bf16, fused scales, per-token activations) closer than they match the unquantized weights. Not
-    to bf16 numerics: a residual gap of about half the FP8 effect remains (README, "FP8 in vLLM")."""
+    """The emulated engine's sampled-token log-probs change with each version and are closer to the JAX simulation
+    of the same recipe (bf16, fused scales, per-token activations) than to no FP8, to unfused scales or to the other
+    activation scheme. Not to bf16 numerics: FP8 rounding amplifies bf16-level differences (README, "FP8 in
+    vLLM"; measured here 0.041 vs 0.087 plain, 0.072 unfused, 0.081 per-tensor activations)."""
     prompts, sp = _prompts(), SamplingParams(max_new_tokens=8, temperature=1.0)
-    sim = JaxEngine(cfg, recipe=RECIPE, dtype="bfloat16")
-    plain = JaxEngine(cfg, dtype="bfloat16")
+    engines = {k: JaxEngine(cfg, recipe=r, dtype="bfloat16") for k, r in rivals(RECIPE).items()}
     prev = None
     for version, seed in ((3, 13), (4, 14)):
         # weights 6x the init scale: sharper log-probs, so FP8 rounding moves them well beyond bf16 numerics
         params = jax.tree.map(lambda a: a * 6.0 if a.ndim == 2 else a, _params(cfg, seed))
         named = hf.named_params(cfg, params)
         engine.update_weights(named, version)
-        sim.update_weights(named, version)
-        plain.update_weights(named, version)
+        for e in engines.values():
+            e.update_weights(named, version)
         b = engine.generate(prompts, sp, seed=5)
         assert (b.version_B == version).all()
-        m = b.completion_mask_BT
-        vs_sim = np.abs(sim.score(b.tokens_BT, b.valid_BT)["logp_BT"] - b.rollout_logp_BT)[m].mean()
-        vs_plain = np.abs(plain.score(b.tokens_BT, b.valid_BT)["logp_BT"] - b.rollout_logp_BT)[m].mean()
-        assert vs_sim < 0.75 * vs_plain, (vs_sim, vs_plain)  # measured 0.041 vs 0.087; unfused scales: 0.82
+        gaps = closest(engines, b)
+        assert min(gaps, key=gaps.get) == "sim", gaps
         if prev is not None:
-            assert np.abs(prev - b.rollout_logp_BT)[m].mean() > 10 * vs_sim  # the new version, not the old
+            assert np.abs(prev - b.rollout_logp_BT)[b.completion_mask_BT].mean() > 10 * gaps["sim"]  # the new one
         prev = b.rollout_logp_BT
 
 
