@@ -27,7 +27,7 @@ demo: $(VENV)/.core
 	$(BIN)/opdjax train pipeline.overwrite=true
 
 test: $(VENV)/.test
-	OPDJAX_REQUIRE_VLLM=$${OPDJAX_REQUIRE_VLLM:-1} $(BIN)/python -m pytest -q
+	OPDJAX_REQUIRE_VLLM=$${OPDJAX_REQUIRE_VLLM:-1} $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: $(VENV)/.test
 	$(BIN)/python benchmarks/bench_mismatch.py
