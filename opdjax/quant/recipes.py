@@ -335,26 +335,33 @@ def fused_shards(name: str) -> tuple[str, ...]:
     return ()
 
 
-def shared_scale(recipe: Recipe, name: str, get: Any) -> Array | None:
+def shared_scale(recipe: Recipe, name: str, get: Any, memo: dict | None = None) -> Array | None:
     """The one scale vLLM uses for `name` when it serves `name` inside a fused layer, else None (own scale).
 
     Applies when recipe.fused_scales and every shard of the fused layer has the same per-tensor spec:
     scale = max(amax over all shards, AMAX_EPS) * (1/fmt_max), float32 (the per-tensor formula over the
-    concatenation). `get(shard_name)` returns a shard's array (any layout: a per-tensor amax ignores it).
+    concatenation). `get(shard_name)` returns a shard's array (any layout: a per-tensor amax ignores it). `memo`
+    (a dict the caller keeps for one pass over a model) computes each fused layer's scale once, not once per shard.
     """
     shards = fused_shards(name) if recipe.fused_scales else ()
     if not shards:
         return None
+    if memo is not None and shards in memo:
+        return memo[shards]
     specs = {weight_spec(recipe, n, 2) for n in shards}
     if len(specs) != 1 or None in specs or next(iter(specs)).granularity != "tensor":
         return None
     fmt = _format(next(iter(specs)).fmt)
     amax = max(jnp.max(jnp.abs(jnp.asarray(get(n), jnp.float32))) for n in shards)
-    return jnp.maximum(amax, AMAX_EPS) * np.float32(1.0 / fmt.max_value)
+    scale = jnp.maximum(amax, AMAX_EPS) * np.float32(1.0 / fmt.max_value)
+    if memo is not None:
+        memo[shards] = scale
+    return scale
 
 
-def _weight_quant_kwargs(recipe: Recipe, name: str, named: Mapping[str, Array], spec: QSpec) -> dict[str, Any]:
-    return {**_spec_kwargs(spec), "scale": shared_scale(recipe, name, named.__getitem__)}
+def _weight_quant_kwargs(recipe: Recipe, name: str, named: Mapping[str, Array], spec: QSpec,
+                         memo: dict) -> dict[str, Any]:
+    return {**_spec_kwargs(spec), "scale": shared_scale(recipe, name, named.__getitem__, memo)}
 
 
 def apply_to_named(recipe: Recipe, named: Mapping[str, Array]) -> dict[str, Array]:
@@ -364,11 +371,11 @@ def apply_to_named(recipe: Recipe, named: Mapping[str, Array]) -> dict[str, Arra
     (per-channel = per output column; per-tensor shards of a vLLM fused layer share one scale, `shared_scale`);
     biases, norms, embeddings and unmatched tensors are returned untouched. Dtypes are preserved.
     """
-    out = {}
+    out, memo = {}, {}
     for name, arr in named.items():
         spec = weight_spec(recipe, name, np.ndim(arr))
         out[name] = arr if spec is None else qdq(arr, spec.fmt, spec.granularity,
-                                                 **_weight_quant_kwargs(recipe, name, named, spec))
+                                                 **_weight_quant_kwargs(recipe, name, named, spec, memo))
     return out
 
 
@@ -380,10 +387,11 @@ def quantize_named(recipe: Recipe, named: Mapping[str, Array]) -> dict[str, tupl
     A fused layer's shared scale needs its sibling shards in `named`.
     """
     out: dict[str, Any] = {}
+    memo: dict = {}
     for name, arr in named.items():
         spec = weight_spec(recipe, name, np.ndim(arr))
         out[name] = arr if spec is None else quantize(arr, spec.fmt, spec.granularity,
-                                                      **_weight_quant_kwargs(recipe, name, named, spec))
+                                                      **_weight_quant_kwargs(recipe, name, named, spec, memo))
     return out
 
 

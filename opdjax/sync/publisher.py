@@ -64,6 +64,7 @@ def hf_stream(cfg: ModelConfig, params: nnx.State | Mapping[str, Any], *, dtype:
                               f"{cfg.num_layers} layers")
         get = lambda name: params[name]  # noqa: E731  HF layout
         in_hf_layout = True
+    memo: dict = {}  # each fused layer's shared scale, computed (its shards gathered) once
     for name, (_, t) in nm.items():
         x = _cast(_gathered(get(name)), dt)
         spec = quant.weight_spec(rec, name, np.ndim(x))
@@ -71,7 +72,7 @@ def hf_stream(cfg: ModelConfig, params: nnx.State | Mapping[str, Any], *, dtype:
             yield name, (x.T if (t == "T" and not in_hf_layout) else x), {}
             continue
         x_io = x.T if (t == "T" and in_hf_layout) else x  # quantizers work on opdjax's [in, out]
-        shared = quant.shared_scale(rec, name, lambda n: _cast(_gathered(get(n)), dt))  # a fused layer's one scale
+        shared = quant.shared_scale(rec, name, lambda n: _cast(_gathered(get(n)), dt), memo)  # a fused layer's one
         q, s = quant.quantize(x_io, spec.fmt, spec.granularity, block=spec.block, scale=shared)
         meta = spec.to_dict()
         if spec.granularity == "block":

@@ -12,12 +12,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from opdjax.models import ModelConfig
-from opdjax.models.tiny import load_tokenizer
 from opdjax.remote import protocol
-from opdjax.remote.server import EngineServer
-from opdjax.rollout.jax_engine import JaxEngine
 from opdjax.sync import ArrayTarget, ModelSpec, TcpReceiverServer, WeightReceiver, prepare
-from opdjax.teacher import JaxTeacher
+from tests.remote.test_server_limits import serving
 from tests.sync.test_transports import _client
 
 TOKEN = "fuzz-secret"
@@ -28,10 +25,8 @@ FUZZ = settings(deadline=None, max_examples=120, suppress_health_check=[HealthCh
 
 @pytest.fixture(scope="module")
 def servers(pair):
-    engine = JaxEngine.from_pretrained(pair[0], pad_id=load_tokenizer(pair[0]).pad_token_id)
-    with EngineServer(engine=engine, token=TOKEN, limits=LIMITS) as rs, \
-            EngineServer(teacher=JaxTeacher.from_pretrained(pair[1]), token=TOKEN, limits=LIMITS) as ts:
-        yield rs, ts
+    with serving(pair, TOKEN, LIMITS) as both:
+        yield both
 
 
 def _post(server, data: bytes) -> int:

@@ -2,6 +2,7 @@
 request is a 400 naming the field, a flood of unauthenticated requests is counted but logged and kept bounded, a
 silent socket is closed, and the server keeps serving a good request after each."""
 
+import contextlib
 import json
 import logging
 import socket
@@ -21,12 +22,19 @@ TOKEN = "limits-secret"
 LIMITS = protocol.ServerLimits(max_batch=16, max_tokens=64, max_top_k=16, idle_timeout=1.0, refusal_log_per_min=5)
 
 
+@contextlib.contextmanager
+def serving(pair, token: str, limits: protocol.ServerLimits):
+    """A rollout server (JaxEngine on the student) and a teacher server, both under `limits`: (rollout, teacher)."""
+    engine = JaxEngine.from_pretrained(pair[0], pad_id=load_tokenizer(pair[0]).pad_token_id)
+    with EngineServer(engine=engine, token=token, limits=limits) as rs, \
+            EngineServer(teacher=JaxTeacher.from_pretrained(pair[1]), token=token, limits=limits) as ts:
+        yield rs, ts
+
+
 @pytest.fixture(scope="module")
 def servers(pair):
-    engine = JaxEngine.from_pretrained(pair[0], pad_id=load_tokenizer(pair[0]).pad_token_id)
-    with EngineServer(engine=engine, token=TOKEN, limits=LIMITS) as rs, \
-            EngineServer(teacher=JaxTeacher.from_pretrained(pair[1]), token=TOKEN, limits=LIMITS) as ts:
-        yield rs, ts
+    with serving(pair, TOKEN, LIMITS) as both:
+        yield both
 
 
 def _post(server, body, token=TOKEN, path="/v1/completions", raw=None):
