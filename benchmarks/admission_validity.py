@@ -77,11 +77,11 @@ def knee_candidates(bj: dict, study) -> list[str]:
 
 def candidate_point(text: str) -> Point:
     """The candidate as a study point (group "validation"), trained with the study's own machinery."""
-    from opdjax.config import _deep_update, parse_override
+    from opdjax.config import deep_update, parse_override
 
     nested: dict = {}
     for item in admit.split_candidate(text):
-        _deep_update(nested, parse_override(item))
+        deep_update(nested, parse_override(item))
     return Point("validation", "candidate", text.replace("rollout.", "").replace(",", "+"), nested,
                             probe=False, label="cand")
 
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
                      "batches": a["batches"], "reason": a["reason"], "probe_seconds": a["seconds"],
                      "reverse_kl_seeds": [r.reverse_kl for r in recs], "accuracy_seeds": [r.accuracy for r in recs],
                      "q_loss": q, "q_loss_seeds": losses, "q_loss_ci": list(ci), "runs_verdict": runs,
-                     "m_train": fit._finite_mean(r.m_train_k3 for r in recs),
+                     "m_train": fit.finite_mean(r.m_train_k3 for r in recs),
                      "should_admit": runs == "admit",
                      "agree": None if runs == "borderline" else (a["verdict"] == "ADMIT") == (runs == "admit"),
                      "seeds_straddle_delta": fit.straddles(losses, bj["delta"])})

@@ -216,9 +216,12 @@ class OptimConfig:
     weight_decay: float = 0.0
     b1: float = 0.9
     b2: float = 0.99
+    micro_batches: int = 1           # gradient accumulation: one optimizer step over k micro-batches of B/k rows
 
     def validate(self):
         _choice("optim", "schedule", self.schedule, {"constant", "cosine", "linear"})
+        if self.micro_batches < 1:
+            raise ConfigError(f"optim.micro_batches must be >= 1, got {self.micro_batches}")
         _positive("optim", "lr", self.lr)
         _positive("optim", "warmup_steps", self.warmup_steps, zero_ok=True)
         _positive("optim", "grad_clip", self.grad_clip, zero_ok=True)
@@ -310,6 +313,10 @@ class TrainConfig:
                               "vLLM's own options under rollout.vllm (e.g. kv_cache_dtype)")
         _endpoints("teacher", self.teacher.endpoints)
         r = self.rollout
+        rows = r.batch_size * r.samples_per_prompt
+        if rows % self.optim.micro_batches:
+            raise ConfigError(f"optim.micro_batches={self.optim.micro_batches} must divide the rows of a step, "
+                              f"rollout.batch_size x samples_per_prompt = {rows}")
         if r.endpoints and (r.recipe != "none" or r.weight_noise or r.stale_versions or r.vllm):
             raise ConfigError("with rollout.endpoints the servers own the engine: give rollout.recipe / weight_noise / "
                               "stale_versions / vllm to `opdjax serve`, not to train")
@@ -445,14 +452,16 @@ def parse_override(item: str) -> dict[str, Any]:
 _PATH_SHORTCUTS = ("student", "teacher")
 
 
-def _deep_update(a: dict, b: Mapping) -> dict:
+def deep_update(a: dict, b: Mapping) -> dict:
+    """Merge `b` into `a` in place, recursing into nested dicts, and return `a`. A path shortcut (`student`,
+    `teacher`) given as a string on one side and a dict on the other keeps both: the string becomes `path`."""
     for k, v in b.items():
         if isinstance(v, Mapping) and isinstance(a.get(k), str) and k in _PATH_SHORTCUTS:
             a[k] = {"path": a[k]}  # `teacher=DIR teacher.dtype=...`: keep the DIR
         if isinstance(v, str) and isinstance(a.get(k), dict) and k in _PATH_SHORTCUTS:
             a[k]["path"] = v  # `teacher.dtype=... teacher=DIR`: keep the dtype
         elif isinstance(v, Mapping) and isinstance(a.get(k), dict):
-            _deep_update(a[k], v)
+            deep_update(a[k], v)
         else:
             a[k] = v
     return a
@@ -501,7 +510,7 @@ def load(cls, path: str | pathlib.Path | None = None, overrides: list[str] = ())
     for item in overrides:
         value = parse_override(item)
         check_expanded_size(value, f"override {item[:80]!r}")
-        _deep_update(d, value)
+        deep_update(d, value)
     cfg = from_dict(cls, d)
     return cfg.validate() if hasattr(cfg, "validate") else cfg
 

@@ -1,5 +1,6 @@
 """The package's shape: no import cycle, imports only downward in the declared layer order, no function-body
-imports except optional heavy dependencies, no file over 600 lines, no registry mutated outside its module."""
+imports except optional heavy dependencies, no file over 600 lines, no function over 60 lines, no import of another
+module's private name, no registry mutated outside its module."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ LAYERS = [
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 OPTIONAL_HEAVY = {"vllm", "torch", "transformers", "tokenizers", "matplotlib", "tensorboardX"}
 MAX_LINES = 600
+MAX_FUNCTION_LINES = 60
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -163,3 +165,40 @@ def test_registries_are_filled_only_where_they_are_defined():
                     if name in homes and homes[name] != m:
                         bad.append(f"{m}:{node.lineno} stores into {name}")
     assert not bad, bad
+
+
+def test_no_function_over_60_lines():
+    """Every function and method, counted from its `def` line to its last line (decorators not counted)."""
+    long = []
+    for p in MODULES.values():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append((n, f"{p.relative_to(PKG.parent)}:{node.lineno} {node.name} ({n} lines)"))
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(x for _, x in sorted(long)[::-1])
+
+
+def _imported_from(module: str, node: ast.ImportFrom) -> str:
+    """The absolute module of `from <node.module> import ...` written in `module` (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    is_package = MODULES[module].name == "__init__.py"
+    base = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def test_no_module_imports_a_private_name_of_another_module():
+    """`from opdjax.x import _name` couples a module to another's internals: a shared helper is made public."""
+    bad = []
+    for m, p in MODULES.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            source = _imported_from(m, node)
+            if not source.startswith("opdjax") or source == m:
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    bad.append(f"{m} (line {node.lineno}) imports {alias.name} from {source}")
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)

@@ -16,8 +16,8 @@ import numpy as np
 
 from opdjax.budget.records import Point, RunResult
 
-__all__ = ["FITS", "QUALITIES", "aggregate", "budget_interval", "fit_budget", "knee_bracket", "mean_ci",
-           "monotone_q_loss", "quality_losses", "runs_verdict", "straddles"]
+__all__ = ["FITS", "QUALITIES", "aggregate", "budget_interval", "finite_mean", "fit_budget", "knee_bracket",
+           "mean_ci", "monotone_q_loss", "quality_losses", "runs_verdict", "straddles"]
 
 CI_LEVEL = 0.95  # of every bootstrap interval here
 
@@ -112,7 +112,8 @@ def _spread(xs: Sequence[float]) -> dict[str, float]:
             "min": float(a.min()) if a.size else float("nan"), "max": float(a.max()) if a.size else float("nan")}
 
 
-def _finite_mean(xs) -> float:
+def finite_mean(xs) -> float:
+    """The mean of the finite values of `xs` (None, NaN and ±inf skipped); NaN when none is finite."""
     xs = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
     return float(np.mean(xs)) if xs else float("nan")
 
@@ -126,9 +127,9 @@ def aggregate(point: Point, recs: Sequence[Mapping], baseline: Mapping[str, floa
         "m_probe": float(np.mean(probes)) if probes else None,
         "m_probe_ci": ([float(min(r.m_probe_ci[0] for r in recs)), float(max(r.m_probe_ci[1] for r in recs))]
                        if probes else None),
-        "m_train": _finite_mean(r.m_train_k3 for r in recs),
-        "m_train_k1": _finite_mean(r.m_train_k1 for r in recs),
-        "m_train_abs_log_ratio_p95": _finite_mean(r.m_train_abs_log_ratio_p95 for r in recs),
+        "m_train": finite_mean(r.m_train_k3 for r in recs),
+        "m_train_k1": finite_mean(r.m_train_k1 for r in recs),
+        "m_train_abs_log_ratio_p95": finite_mean(r.m_train_abs_log_ratio_p95 for r in recs),
         "q_reverse_kl": float(np.mean([r.reverse_kl for r in recs])),
         "q_accuracy": float(np.mean([r.accuracy for r in recs])),
         "q_loss": float(np.mean(losses)),

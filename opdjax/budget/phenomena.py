@@ -4,13 +4,14 @@ noise and what per-token corrections do about it.
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from opdjax.budget.fit import _finite_mean, quality_losses
+from opdjax.budget.fit import finite_mean, quality_losses
 from opdjax.budget.records import Point, noise_point
 from opdjax.budget.study_config import StudyConfig
 from opdjax.config import TrainConfig
@@ -19,7 +20,7 @@ from opdjax.data.prompts import encode_prompts
 from opdjax.models import ModelConfig, hf
 from opdjax.models.tiny import load_tokenizer
 from opdjax.pipeline.build import resolve_models, sampling_params
-from opdjax.pipeline.steps import completion_texts
+from opdjax.pipeline.opd import completion_texts
 from opdjax.rollout.jax_engine import JaxEngine
 
 
@@ -60,8 +61,8 @@ def prefix_shift(student_path: str | pathlib.Path, cfg: TrainConfig, sigmas: Seq
     clean = JaxEngine(mcfg, params, **kw)
     N = cfg.rollout.max_new_tokens
 
-    def texts(batch):
-        return completion_texts(tok, batch)
+    def grades(texts: Sequence[str]) -> list[float]:
+        return [task.grade(e, t) or 0.0 for e, t in zip(examples, texts)]
 
     out = []
     for sigma in sigmas:
@@ -70,108 +71,142 @@ def prefix_shift(student_path: str | pathlib.Path, cfg: TrainConfig, sigmas: Seq
             a = clean.generate(enc, sp, seed=1000 + s)
             noisy = JaxEngine(mcfg, params, weight_noise=float(sigma), noise_seed=s, **kw)
             b = noisy.generate(enc, sp, seed=1000 + s)
-            ca, cb = a.completions(), b.completions()
-            fd = [_first_divergence(x, y) for x, y in zip(ca, cb)]
-            div = [d for d in fd if d is not None]
             pi = clean.score(b.tokens_BT, b.valid_BT, temperature=T)["logp_BT"]
-            m = b.completion_mask_BT
-            r = np.where(m, pi - b.rollout_logp_BT, 0.0)
-            ta, tb = texts(a), texts(b)
-            ga = [task.grade(e, t) or 0.0 for e, t in zip(examples, ta)]
-            gb = [task.grade(e, t) or 0.0 for e, t in zip(examples, tb)]
-            vals = {
-                "frac_diverged": len(div) / len(fd),
-                "first_div_mean": float(np.mean(div)) if div else float("nan"),
-                "answer_changed": float(np.mean([x != y for x, y in zip(ta, tb)])),
-                "seq_kl": float((-r).sum(1).mean()),
-                "token_k3": float((np.expm1(r) - r)[m].mean()) if m.any() else 0.0,
-                "accuracy_clean": float(np.mean(ga)), "accuracy_perturbed": float(np.mean(gb)),
-            }
-            for t in range(1, N + 1):
-                vals[f"same_prefix_at_{t}"] = float(np.mean([d is None or d >= t for d in fd]))
+            vals = _shift_metrics(a, b, pi, completion_texts(tok, a), completion_texts(tok, b), grades, N)
             for k, v in vals.items():
                 acc.setdefault(k, []).append(v)
-        out.append({"weight_noise": float(sigma), **{k: _finite_mean(v) for k, v in acc.items()}})
+        out.append({"weight_noise": float(sigma), **{k: finite_mean(v) for k, v in acc.items()}})
     return out
+
+
+def _shift_metrics(a, b, clean_logp_BT: np.ndarray, texts_a: Sequence[str], texts_b: Sequence[str],
+                   grades: Callable[[Sequence[str]], list[float]], N: int) -> dict[str, float]:
+    """One seed of `prefix_shift`: clean samples `a` versus perturbed samples `b` (rollout batches drawn with the
+    same keys), `clean_logp_BT` = the clean engine's log-probs of b's tokens, N = max new tokens.
+
+    r = mask·(log pi - log mu) on b;  seq_kl = mean_b Σ_t -r;  token_k3 = mean over b's completion tokens of
+    (exp(r) - r - 1);  same_prefix_at_t = fraction of rows whose first divergence is ≥ t (or none), t = 1..N.
+    """
+    fd = [_first_divergence(x, y) for x, y in zip(a.completions(), b.completions())]
+    div = [d for d in fd if d is not None]
+    m = b.completion_mask_BT
+    r = np.where(m, clean_logp_BT - b.rollout_logp_BT, 0.0)
+    vals = {
+        "frac_diverged": len(div) / len(fd),
+        "first_div_mean": float(np.mean(div)) if div else float("nan"),
+        "answer_changed": float(np.mean([x != y for x, y in zip(texts_a, texts_b)])),
+        "seq_kl": float((-r).sum(1).mean()),
+        "token_k3": float((np.expm1(r) - r)[m].mean()) if m.any() else 0.0,
+        "accuracy_clean": float(np.mean(grades(texts_a))), "accuracy_perturbed": float(np.mean(grades(texts_b))),
+    }
+    for t in range(1, N + 1):
+        vals[f"same_prefix_at_{t}"] = float(np.mean([d is None or d >= t for d in fd]))
+    return vals
 
 
 def phenomena(study: StudyConfig, sweep: list[Point], extra: list[Point], records: Mapping[str, list[dict]],
               rows: list[dict], baseline: Mapping, log: Log) -> dict[str, Any]:
-    """Tables for (a) OPD vs RL under weight noise, (b) prefix shift and per-token corrections."""
-    by_id = {r["id"]: r for r in rows}
+    """Tables for (a) OPD vs RL under weight noise, (b) prefix shift and per-token corrections.
+
+    records: point id -> the point's run records (one per seed); rows: the aggregated sweep rows (their probe M).
+    """
+    opd_row = functools.partial(_opd_row, records, {r["id"]: r for r in rows})
     out: dict[str, Any] = {}
-
-    def opd_row(sigma: float, pid: str | None = None) -> dict | None:
-        if pid is not None:
-            recs = records.get(pid)
-        else:
-            pid = "baseline" if sigma == 0 else noise_point(sigma).id
-            recs = records[pid] if pid in records else records.get(
-                noise_point(sigma, "correction", None, False, "opd").id)
-        if not recs:
-            return None
-        row = by_id.get(pid)
-        return {"reverse_kl": float(np.mean([r.reverse_kl for r in recs])),
-                "accuracy": float(np.mean([r.accuracy for r in recs])),
-                "reverse_kl_seeds": [r.reverse_kl for r in recs], "accuracy_seeds": [r.accuracy for r in recs],
-                "m_probe": row["m_probe"] if row else None, "m_train": _finite_mean(r.m_train_k3 for r in recs),
-                "nonfinite_steps": int(sum(r.nonfinite_steps for r in recs))}
-
     if study.rl.enabled:
-        rl_levels = study.rl.levels()
-        table = []
-        rl0 = records[study.rl.rl_point(0.0).id]
-        rl0_acc = float(np.mean([r.accuracy for r in rl0]))
-        rl0_rkl = float(np.mean([r.reverse_kl for r in rl0]))
-        opd_for_rl = (lambda s: opd_row(s, study.rl.opd_point(s).id)) if study.rl.common else opd_row
-        opd0 = opd_for_rl(0.0)
-        for s in rl_levels:
-            recs = records[study.rl.rl_point(s).id]
-            rl = {"reverse_kl": float(np.mean([r.reverse_kl for r in recs])),
-                  "accuracy": float(np.mean([r.accuracy for r in recs])),
-                  "accuracy_seeds": [r.accuracy for r in recs],
-                  "reward_last": _finite_mean(r.reward_last for r in recs),
-                  "m_train": _finite_mean(r.m_train_k3 for r in recs),
-                  "nonfinite_steps": int(sum(r.nonfinite_steps for r in recs))}
-            rl["accuracy_drop"] = rl0_acc - rl["accuracy"]
-            rl["reverse_kl_rel_increase"] = (rl["reverse_kl"] - rl0_rkl) / max(abs(rl0_rkl), 1e-9)
-            opd = opd_for_rl(s)
-            if opd is not None and opd0 is not None:
-                opd["accuracy_drop"] = opd0["accuracy"] - opd["accuracy"]
-                opd["reverse_kl_rel_increase"] = (opd["reverse_kl"] - opd0["reverse_kl"]) / max(
-                    abs(opd0["reverse_kl"]), 1e-9)
-            table.append({"weight_noise": s, "opd": opd, "rl": rl})
-        out["rl_vs_opd"] = {"overrides": study.rl.overrides, "common": study.rl.common, "levels": table}
-
+        out["rl_vs_opd"] = _rl_vs_opd(study, records, opd_row)
     if study.shift.enabled:
-        base_recs = records["baseline"]
-        first = base_recs[0]
-        cfg = study.train_config_for({}, study.seeds[0])
-
-        student0, _ = resolve_models(cfg, log=lambda s: None)
-        trained = pathlib.Path(first.run_dir) / "student_final"
-        log("prefix shift: clean vs perturbed engines under shared sampling noise ...")
-        t0 = time.time()
-        shift = {"initial_student": prefix_shift(student0, cfg, study.shift.weight_noise,
-                                                 prompts=study.shift.prompts, seeds=study.seeds)}
-        if trained.is_dir():
-            shift["trained_student"] = prefix_shift(trained, cfg, study.shift.weight_noise,
-                                                    prompts=study.shift.prompts, seeds=study.seeds)
-        shift["seconds"] = time.time() - t0
-        out["prefix_shift"] = shift
+        out["prefix_shift"] = _prefix_shift_tables(study, records, log)
         if study.shift.corrections:
-            s = float(study.shift.correction_noise)
-            ref = opd_row(s)
-            table = [{"correction": "none", **(ref or {})}]
-            for c in study.shift.corrections:
-                recs = records[noise_point(s, "correction", {"loss": {"correction": c}}, False, c).id]
-                table.append({"correction": c, "reverse_kl": float(np.mean([r.reverse_kl for r in recs])),
-                              "accuracy": float(np.mean([r.accuracy for r in recs])),
-                              "reverse_kl_seeds": [r.reverse_kl for r in recs],
-                              "accuracy_seeds": [r.accuracy for r in recs],
-                              "m_train": _finite_mean(r.m_train_k3 for r in recs)})
-            for t in table:
-                if "reverse_kl" in t:
-                    t["q_loss"] = quality_losses([t], baseline, study.quality)[0]
-            out["corrections"] = {"weight_noise": s, "rows": table}
+            out["corrections"] = _corrections_table(study, records, baseline, opd_row)
     return out
+
+
+def _opd_row(records: Mapping[str, list], by_id: Mapping[str, Mapping], sigma: float,
+             pid: str | None = None) -> dict | None:
+    """Means over seeds of the OPD run at weight noise `sigma` (or of point `pid`): the sweep point, else the extra
+    OPD run trained for comparison; None when neither was run."""
+    if pid is not None:
+        recs = records.get(pid)
+    else:
+        pid = "baseline" if sigma == 0 else noise_point(sigma).id
+        recs = records[pid] if pid in records else records.get(
+            noise_point(sigma, "correction", None, False, "opd").id)
+    if not recs:
+        return None
+    row = by_id.get(pid)
+    return {"reverse_kl": float(np.mean([r.reverse_kl for r in recs])),
+            "accuracy": float(np.mean([r.accuracy for r in recs])),
+            "reverse_kl_seeds": [r.reverse_kl for r in recs], "accuracy_seeds": [r.accuracy for r in recs],
+            "m_probe": row["m_probe"] if row else None, "m_train": finite_mean(r.m_train_k3 for r in recs),
+            "nonfinite_steps": int(sum(r.nonfinite_steps for r in recs))}
+
+
+def _rl_vs_opd(study: StudyConfig, records: Mapping[str, list], opd_row: Callable[..., dict | None]) -> dict:
+    """(a): per RL weight-noise level, the RL run and the OPD run, each against its own noise-free run:
+    accuracy_drop = acc_0 - acc,  reverse_kl_rel_increase = (RKL - RKL_0) / max(|RKL_0|, 1e-9)."""
+    rl0 = records[study.rl.rl_point(0.0).id]
+    rl0_acc = float(np.mean([r.accuracy for r in rl0]))
+    rl0_rkl = float(np.mean([r.reverse_kl for r in rl0]))
+    opd_for_rl = (lambda s: opd_row(s, study.rl.opd_point(s).id)) if study.rl.common else opd_row
+    opd0 = opd_for_rl(0.0)
+    table = []
+    for s in study.rl.levels():
+        rl = _rl_row(records[study.rl.rl_point(s).id], rl0_acc, rl0_rkl)
+        opd = opd_for_rl(s)
+        if opd is not None and opd0 is not None:
+            opd["accuracy_drop"] = opd0["accuracy"] - opd["accuracy"]
+            opd["reverse_kl_rel_increase"] = (opd["reverse_kl"] - opd0["reverse_kl"]) / max(
+                abs(opd0["reverse_kl"]), 1e-9)
+        table.append({"weight_noise": s, "opd": opd, "rl": rl})
+    return {"overrides": study.rl.overrides, "common": study.rl.common, "levels": table}
+
+
+def _rl_row(recs: Sequence, rl0_acc: float, rl0_rkl: float) -> dict[str, Any]:
+    """One RL level's means over seeds, its reward over the last 10% of steps, and its change from the noise-free
+    RL run (accuracy rl0_acc, reverse KL rl0_rkl)."""
+    rl = {"reverse_kl": float(np.mean([r.reverse_kl for r in recs])),
+          "accuracy": float(np.mean([r.accuracy for r in recs])),
+          "accuracy_seeds": [r.accuracy for r in recs],
+          "reward_last": finite_mean(r.reward_last for r in recs),
+          "m_train": finite_mean(r.m_train_k3 for r in recs),
+          "nonfinite_steps": int(sum(r.nonfinite_steps for r in recs))}
+    rl["accuracy_drop"] = rl0_acc - rl["accuracy"]
+    rl["reverse_kl_rel_increase"] = (rl["reverse_kl"] - rl0_rkl) / max(abs(rl0_rkl), 1e-9)
+    return rl
+
+
+def _prefix_shift_tables(study: StudyConfig, records: Mapping[str, list], log: Log) -> dict[str, Any]:
+    """(b): `prefix_shift` of the initial student and, when the baseline's first seed kept it, the trained one."""
+    first = records["baseline"][0]
+    cfg = study.train_config_for({}, study.seeds[0])
+    student0, _ = resolve_models(cfg, log=lambda s: None)
+    trained = pathlib.Path(first.run_dir) / "student_final"
+    log("prefix shift: clean vs perturbed engines under shared sampling noise ...")
+    t0 = time.time()
+    shift = {"initial_student": prefix_shift(student0, cfg, study.shift.weight_noise,
+                                             prompts=study.shift.prompts, seeds=study.seeds)}
+    if trained.is_dir():
+        shift["trained_student"] = prefix_shift(trained, cfg, study.shift.weight_noise,
+                                                prompts=study.shift.prompts, seeds=study.seeds)
+    shift["seconds"] = time.time() - t0
+    return shift
+
+
+def _corrections_table(study: StudyConfig, records: Mapping[str, list], baseline: Mapping,
+                       opd_row: Callable[..., dict | None]) -> dict[str, Any]:
+    """(b'): the uncorrected OPD run and each per-token correction at `shift.correction_noise`, with its quality
+    loss against the mismatch-free baseline."""
+    s = float(study.shift.correction_noise)
+    ref = opd_row(s)
+    table = [{"correction": "none", **(ref or {})}]
+    for c in study.shift.corrections:
+        recs = records[noise_point(s, "correction", {"loss": {"correction": c}}, False, c).id]
+        table.append({"correction": c, "reverse_kl": float(np.mean([r.reverse_kl for r in recs])),
+                      "accuracy": float(np.mean([r.accuracy for r in recs])),
+                      "reverse_kl_seeds": [r.reverse_kl for r in recs],
+                      "accuracy_seeds": [r.accuracy for r in recs],
+                      "m_train": finite_mean(r.m_train_k3 for r in recs)})
+    for t in table:
+        if "reverse_kl" in t:
+            t["q_loss"] = quality_losses([t], baseline, study.quality)[0]
+    return {"weight_noise": s, "rows": table}

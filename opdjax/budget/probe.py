@@ -34,7 +34,7 @@ from opdjax.core import mismatch
 from opdjax.data.prompts import PromptStream
 from opdjax.models import decoder
 from opdjax.pipeline.build import build
-from opdjax.pipeline.steps import generate, learner_batch, publish
+from opdjax.pipeline.opd import generate, opd_step
 from opdjax.rollout import RolloutBatch
 
 __all__ = ["DEFAULT_MAX_BATCHES", "Rescored", "bootstrap_ci", "cache_amax", "calibrate_kv", "kv_amax",
@@ -135,13 +135,12 @@ def _session(cfg: TrainConfig, seed: int, log) -> Iterator[tuple[Callable[[Itera
             # Throwaway steps, each published: the engine (stale_versions=k) serves version W while the learner is at
             # W + k.
             for i in range(cfg.optim.warmup_steps + k):
-                examples = stream.next(cfg.rollout.batch_size)
-                batch = generate(run, examples, seed=10_000 + i)
-                state, _ = run.learner.train_step(state, learner_batch(run, batch, examples))
-                learner_version = i + 1
-                publish(run, state.params, learner_version)
+                state, _ = opd_step(run.parts, state, stream.next(cfg.rollout.batch_size), seed=10_000 + i)
+                learner_version = i + 1  # = state.step, the version opd_step published
+        p = run.parts
         yield (lambda batches: rescore(
-            lambda b: generate(run, stream.next(cfg.rollout.batch_size), seed=20_000 + 97 * seed + b),
+            lambda b: generate(p.engine, p.tokenizer, stream.next(cfg.rollout.batch_size), p.sampling,
+                               seed=20_000 + 97 * seed + b, samples_per_prompt=p.samples_per_prompt),
             lambda batch: run.learner.logp(state.params, batch.tokens_BT, batch.valid_BT), batches)), learner_version
 
 
@@ -209,7 +208,9 @@ def kv_amax(cfg: TrainConfig, *, batches: int = 2, seed: int = 0, log=print) -> 
         stream = PromptStream(run.task, seed=cfg.seed + 977 + seed)
         out = np.zeros((run.student_cfg.num_layers, 2))
         for b in range(batches):
-            batch = generate(run, stream.next(cfg.rollout.batch_size), seed=30_000 + 97 * seed + b)
+            p = run.parts
+            batch = generate(p.engine, p.tokenizer, stream.next(cfg.rollout.batch_size), p.sampling,
+                             seed=30_000 + 97 * seed + b, samples_per_prompt=p.samples_per_prompt)
             amax = cache_amax(run.graphdef, run.params, run.student_cfg, batch.tokens_BT, batch.valid_BT)
             out = np.maximum(out, amax)
     return out

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from opdjax.config import _deep_update
+from opdjax.config import deep_update
 from opdjax.pipeline.rundir import write_text
 
 __all__ = ["AdmitRow", "Point", "noise_point", "ProbeResult", "RunResult", "json_default", "write_json"]
@@ -118,7 +118,7 @@ def noise_point(sigma: float, group: str = "sweep", extra: Mapping | None = None
     """The point of relative weight noise `sigma` (sigma 0: the group's baseline) on top of `extra` overrides."""
     over = {"rollout": {"weight_noise": float(sigma)}}
     if extra:
-        over = _deep_update(json.loads(json.dumps(dict(extra))), over)
+        over = deep_update(json.loads(json.dumps(dict(extra))), over)
     if sigma == 0:
         return Point(group, "baseline", 0, over, probe, label)
     return Point(group, "weight_noise", float(sigma), over, probe, label)

@@ -129,28 +129,51 @@ def _budget_lines(result: Mapping[str, Any]) -> list[str]:
 
 
 def summary_markdown(result: Mapping[str, Any]) -> str:
-    s = result["config"]["study"]
-    b = result["baseline"]
+    """summary.md of a study's budget.json: the headline B, how the runs were made, the points table, each
+    phenomenon that was measured ((a) RL vs OPD, (b) prefix shift, (b') corrections), admission validity and timing.
+    """
+    ph = result.get("phenomena", {})
+    L = [f"# Mismatch budget study ({result['created']})", "", *_budget_lines(result), *_method_lines(result),
+         *_calibrated_on_lines(result.get("calibrated_on")), "![quality vs mismatch](budget.png)", "",
+         *_points_table(result["points"])]
+    if "rl_vs_opd" in ph:
+        L += _rl_vs_opd_lines(ph["rl_vs_opd"])
+    if "prefix_shift" in ph:
+        L += _prefix_shift_lines(ph["prefix_shift"])
+    if "corrections" in ph:
+        L += _corrections_lines(ph["corrections"], result["delta"])
+    if result.get("validity"):
+        L += ["", "## Admission validity", "", validity_markdown(result["validity"], result["budget"])]
+    L += _timing_lines(result["timing"])
+    return "\n".join(L) + "\n"
+
+
+def _method_lines(result: Mapping[str, Any]) -> list[str]:
+    """How a point is judged (mean loss over seeds vs delta, isotonic or first-failure fit) and how the runs were made
+    (loss, steps, lr, batch, task), with the noise-free baseline's held-out reverse KL and accuracy."""
+    s, b = result["config"]["study"], result["baseline"]
     base_cfg = result["config"]["base_train_config"]
-    L = [f"# Mismatch budget study ({result['created']})", "", *_budget_lines(result),
-         f"Quality loss: {result['quality']}. A point is within tolerance iff its *mean* loss over seeds "
-         f"({len(s['seeds'])}: {s['seeds']}) is ≤ delta. "
-         + ("B is the largest M at which the isotonic (monotone non-decreasing in M) fit of the points' mean losses "
-            "stays ≤ delta, so one noisy point is pooled with its neighbours and a diverged point stops B."
-            if s.get("fit", "isotonic") == "isotonic" else
-            "B is the largest M reached walking the points in increasing M until the first point outside the "
-            "tolerance (conservative: later points never raise B)."), "",
-         f"Runs: OPD ({base_cfg['loss']['name']}), {base_cfg['pipeline']['steps']} steps, "
-         f"lr {base_cfg['optim']['lr']}, "
-         f"batch {base_cfg['rollout']['batch_size']}, task {base_cfg['task']['name']}. Baseline (no mismatch): "
-         f"held-out reverse KL {b['initial_reverse_kl']:.2f} → {b['reverse_kl']:.3f} (seeds "
-         f"{', '.join(f'{x:.3f}' for x in b['reverse_kl_seeds'])}), accuracy {b['initial_accuracy']:.2f} → "
-         f"{b['accuracy']:.3f}.", "", *_calibrated_on_lines(result.get("calibrated_on")),
-         "![quality vs mismatch](budget.png)", "",
-         "| point | M probe (95% CI) | M train k3 | train k1 | train abs-log-ratio p95 | final RKL | accuracy | "
+    fit = ("B is the largest M at which the isotonic (monotone non-decreasing in M) fit of the points' mean losses "
+           "stays ≤ delta, so one noisy point is pooled with its neighbours and a diverged point stops B."
+           if s.get("fit", "isotonic") == "isotonic" else
+           "B is the largest M reached walking the points in increasing M until the first point outside the "
+           "tolerance (conservative: later points never raise B).")
+    return [f"Quality loss: {result['quality']}. A point is within tolerance iff its *mean* loss over seeds "
+            f"({len(s['seeds'])}: {s['seeds']}) is ≤ delta. " + fit, "",
+            f"Runs: OPD ({base_cfg['loss']['name']}), {base_cfg['pipeline']['steps']} steps, "
+            f"lr {base_cfg['optim']['lr']}, "
+            f"batch {base_cfg['rollout']['batch_size']}, task {base_cfg['task']['name']}. Baseline (no mismatch): "
+            f"held-out reverse KL {b['initial_reverse_kl']:.2f} → {b['reverse_kl']:.3f} (seeds "
+            f"{', '.join(f'{x:.3f}' for x in b['reverse_kl_seeds'])}), accuracy {b['initial_accuracy']:.2f} → "
+            f"{b['accuracy']:.3f}.", ""]
+
+
+def _points_table(points: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The points table, one row per point in increasing M probe (points without one first)."""
+    L = ["| point | M probe (95% CI) | M train k3 | train k1 | train abs-log-ratio p95 | final RKL | accuracy | "
          "q_loss mean (seed min..max) | q_loss 95% CI (verdict of the runs) | monotone fit | within delta | M ≤ B |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(result["points"], key=lambda r: (r["m_probe"] if r["m_probe"] is not None else -1)):
+    for r in sorted(points, key=lambda r: (r["m_probe"] if r["m_probe"] is not None else -1)):
         ci = r["m_probe_ci"] or [None, None]
         sp = r["q_loss_spread"]
         qci = r.get("q_loss_ci")
@@ -160,66 +183,78 @@ def summary_markdown(result: Mapping[str, Any]) -> str:
                  f"{r['q_accuracy']:.3f} | {r['q_loss']:+.3f} ({sp['min']:+.3f}..{sp['max']:+.3f}) | {qv} | "
                  f"{_f(r.get('q_loss_monotone'), '+.3f')} | "
                  f"{'yes' if r['within_budget'] else '**no**'} | {'yes' if r['admissible'] else 'no'} |")
-    ph = result.get("phenomena", {})
-    if "rl_vs_opd" in ph:
-        rv = ph["rl_vs_opd"]
-        L += ["", "## (a) OPD versus the RL baseline under weight noise", "",
-              f"RL = task-reward policy gradient with overrides `{json.dumps(rv['overrides'])}`"
-              + (f"; both methods with `{json.dumps(rv['common'])}`" if rv.get("common")
-                 else "; OPD = the sweep's runs")
-              + ". Each method is compared with its own noise-free run (same seeds, same steps).", "",
-              "| sigma | M probe | OPD RKL | OPD acc | OPD acc drop | OPD RKL rel. increase | RL acc | RL acc drop | "
-              "RL reward (last 10%) | RL RKL rel. increase | non-finite steps (OPD/RL) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for t in rv["levels"]:
-            o, r = t["opd"] or {}, t["rl"]
-            L.append(f"| {t['weight_noise']} | {_f(o.get('m_probe'))} | {_f(o.get('reverse_kl'), '.3f')} | "
-                     f"{_f(o.get('accuracy'), '.3f')} | {_f(o.get('accuracy_drop'), '+.3f')} | "
-                     f"{_f(o.get('reverse_kl_rel_increase'), '+.2f')} | {r['accuracy']:.3f} | "
-                     f"{r['accuracy_drop']:+.3f} | {_f(r['reward_last'], '.3f')} | "
-                     f"{r['reverse_kl_rel_increase']:+.2f} | "
-                     f"{o.get('nonfinite_steps', '–')}/{r['nonfinite_steps']} |")
-        L += ["", _rl_verdict(rv)]
-    if "prefix_shift" in ph:
-        sh = ph["prefix_shift"]
-        L += ["", "## (b) Prefix shift under weight noise", "",
-              "Clean and perturbed engines sample the same held-out prompts with the same seed (same per-row keys), "
-              "so completions coincide until the perturbation flips a sample. first div = mean first differing "
-              "completion position among diverged rows; seq KL = mean Σ_t (log mu − log pi) on the perturbed "
-              "samples."]
-        for which, tab in sh.items():
-            if which == "seconds":
-                continue
-            N = len([k for k in tab[0] if k.startswith("same_prefix_at_")]) if tab else 0
-            L += ["", f"**{which.replace('_', ' ')}**", "",
-                  "| sigma | frac diverged | first div | answer changed | seq KL | token k3 | "
-                  + " | ".join(f"same prefix ≥{t}" for t in range(1, N + 1)) + " |",
-                  "|---|---|---|---|---|---|" + "---|" * N]
-            for t in tab:
-                L.append(f"| {t['weight_noise']} | {t['frac_diverged']:.3f} | {_f(t['first_div_mean'], '.2f')} | "
-                         f"{t['answer_changed']:.3f} | {t['seq_kl']:.4f} | {t['token_k3']:.4g} | "
-                         + " | ".join(f"{t[f'same_prefix_at_{k}']:.3f}" for k in range(1, N + 1)) + " |")
-    if "corrections" in ph:
-        c = ph["corrections"]
-        L += ["", f"## (b') Per-token corrections at sigma = {c['weight_noise']} (beyond the budget)", "",
-              "| correction | final RKL (seeds) | accuracy (seeds) | q_loss vs baseline | M train k3 |",
-              "|---|---|---|---|---|"]
-        for t in c["rows"]:
-            if "reverse_kl" not in t:
-                continue
-            rkl_seeds = ", ".join(f"{x:.2f}" for x in t["reverse_kl_seeds"])
-            acc_seeds = ", ".join(f"{x:.2f}" for x in t["accuracy_seeds"])
-            L.append(f"| {t['correction']} | {t['reverse_kl']:.3f} ({rkl_seeds}) | {t['accuracy']:.3f} ({acc_seeds}) | "
-                     f"{t['q_loss']:+.3f} | {_f(t.get('m_train'))} |")
-        L += ["", _corr_verdict(c, result["delta"])]
-    if result.get("validity"):
-        L += ["", "## Admission validity", "", validity_markdown(result["validity"], result["budget"])]
-    tm = result["timing"]
-    L += ["", "## Timing", "",
-          f"{tm['runs']} runs, {tm['compute_seconds'] / 60:.1f} min of probe+training in all; this invocation "
-          f"{tm['wall_seconds_this_invocation'] / 60:.1f} min wall ({tm['runs_this_invocation']} runs, the rest "
-          "reused from results/)."]
-    return "\n".join(L) + "\n"
+    return L
+
+
+def _rl_vs_opd_lines(rv: Mapping[str, Any]) -> list[str]:
+    """Section (a): OPD and the RL baseline per weight-noise level, each against its own noise-free run."""
+    L = ["", "## (a) OPD versus the RL baseline under weight noise", "",
+         f"RL = task-reward policy gradient with overrides `{json.dumps(rv['overrides'])}`"
+         + (f"; both methods with `{json.dumps(rv['common'])}`" if rv.get("common")
+            else "; OPD = the sweep's runs")
+         + ". Each method is compared with its own noise-free run (same seeds, same steps).", "",
+         "| sigma | M probe | OPD RKL | OPD acc | OPD acc drop | OPD RKL rel. increase | RL acc | RL acc drop | "
+         "RL reward (last 10%) | RL RKL rel. increase | non-finite steps (OPD/RL) |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for t in rv["levels"]:
+        o, r = t["opd"] or {}, t["rl"]
+        L.append(f"| {t['weight_noise']} | {_f(o.get('m_probe'))} | {_f(o.get('reverse_kl'), '.3f')} | "
+                 f"{_f(o.get('accuracy'), '.3f')} | {_f(o.get('accuracy_drop'), '+.3f')} | "
+                 f"{_f(o.get('reverse_kl_rel_increase'), '+.2f')} | {r['accuracy']:.3f} | "
+                 f"{r['accuracy_drop']:+.3f} | {_f(r['reward_last'], '.3f')} | "
+                 f"{r['reverse_kl_rel_increase']:+.2f} | "
+                 f"{o.get('nonfinite_steps', '–')}/{r['nonfinite_steps']} |")
+    return L + ["", _rl_verdict(rv)]
+
+
+def _prefix_shift_lines(sh: Mapping[str, Any]) -> list[str]:
+    """Section (b): one table per sampling mode of how far clean and perturbed completions agree, per noise level."""
+    L = ["", "## (b) Prefix shift under weight noise", "",
+         "Clean and perturbed engines sample the same held-out prompts with the same seed (same per-row keys), "
+         "so completions coincide until the perturbation flips a sample. first div = mean first differing "
+         "completion position among diverged rows; seq KL = mean Σ_t (log mu − log pi) on the perturbed "
+         "samples."]
+    for which, tab in sh.items():
+        if which != "seconds":
+            L += _prefix_shift_table(which, tab)
+    return L
+
+
+def _prefix_shift_table(which: str, tab: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One sampling mode's prefix-shift rows; N same-prefix columns, as many as the rows carry."""
+    N = len([k for k in tab[0] if k.startswith("same_prefix_at_")]) if tab else 0
+    L = ["", f"**{which.replace('_', ' ')}**", "",
+         "| sigma | frac diverged | first div | answer changed | seq KL | token k3 | "
+         + " | ".join(f"same prefix ≥{t}" for t in range(1, N + 1)) + " |",
+         "|---|---|---|---|---|---|" + "---|" * N]
+    for t in tab:
+        L.append(f"| {t['weight_noise']} | {t['frac_diverged']:.3f} | {_f(t['first_div_mean'], '.2f')} | "
+                 f"{t['answer_changed']:.3f} | {t['seq_kl']:.4f} | {t['token_k3']:.4g} | "
+                 + " | ".join(f"{t[f'same_prefix_at_{k}']:.3f}" for k in range(1, N + 1)) + " |")
+    return L
+
+
+def _corrections_lines(c: Mapping[str, Any], delta: float) -> list[str]:
+    """Section (b'): each per-token correction at one noise level beyond the budget, with its verdict."""
+    L = ["", f"## (b') Per-token corrections at sigma = {c['weight_noise']} (beyond the budget)", "",
+         "| correction | final RKL (seeds) | accuracy (seeds) | q_loss vs baseline | M train k3 |",
+         "|---|---|---|---|---|"]
+    for t in c["rows"]:
+        if "reverse_kl" not in t:
+            continue
+        rkl_seeds = ", ".join(f"{x:.2f}" for x in t["reverse_kl_seeds"])
+        acc_seeds = ", ".join(f"{x:.2f}" for x in t["accuracy_seeds"])
+        L.append(f"| {t['correction']} | {t['reverse_kl']:.3f} ({rkl_seeds}) | {t['accuracy']:.3f} ({acc_seeds}) | "
+                 f"{t['q_loss']:+.3f} | {_f(t.get('m_train'))} |")
+    return L + ["", _corr_verdict(c, delta)]
+
+
+def _timing_lines(tm: Mapping[str, Any]) -> list[str]:
+    """The timing section: runs and compute minutes in all, and what this invocation ran (the rest reused)."""
+    return ["", "## Timing", "",
+            f"{tm['runs']} runs, {tm['compute_seconds'] / 60:.1f} min of probe+training in all; this invocation "
+            f"{tm['wall_seconds_this_invocation'] / 60:.1f} min wall ({tm['runs_this_invocation']} runs, the rest "
+            "reused from results/)."]
 
 
 def validity_markdown(rep: Mapping[str, Any], current_budget: float | None = None) -> str:

@@ -24,7 +24,7 @@ import dataclasses
 import json
 import pathlib
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from opdjax import quant
 from opdjax.budget import probe as probe_mod
@@ -242,62 +242,97 @@ def recipe_search(cfg, budget: Budget, *, margin: float = 0.8, by: str = "layer"
         raise AdmissionError("recipe-search --by module would split vLLM's fused qkv / gate_up layers; use "
                              "--by layer, group or layer-group")
     t0 = time.time()
-    probe_fn = probe_fn or probe_mod.probe
     mcfg = mcfg or _student_config(cfg)
-    target = margin * budget.budget
     kw = dict(batches=batches, metric=budget.metric, seed=seed)
-
-    def fits(r) -> bool:
-        return r.m <= target and r.ci_high <= budget.budget
-
-    steps: list[dict[str, Any]] = []
+    trials = _Trials(cfg, probe_fn or probe_mod.probe, budget, margin * budget.budget, name, kv_scales, kw, log)
     keep: list[Unit] = []
-    recipe = full_fp8_recipe(keep, name=name, kv_scales=kv_scales)
-    r = _probe_recipe(cfg, recipe, probe_fn, **kw)
-    steps.append({"action": "full fp8", "kept": [], "m": r.m, "ci_low": r.ci_low, "ci_high": r.ci_high,
-                  "fits": fits(r)})
+    recipe, r = trials.probe(keep, "full fp8")
     log(f"full FP8 (W8A8 + FP8 KV): {budget.metric} {r.m:.3e} [{r.ci_low:.3e}, {r.ci_high:.3e}]; "
-        f"target {target:.3e} (margin {margin} x B {budget.budget:.3e})")
+        f"target {trials.target:.3e} (margin {margin} x B {budget.budget:.3e})")
     sens = None
-    if not fits(r):
+    if not trials.fits(r):
         log(f"sensitivity by {by}:")
-        sens = sensitivity(cfg, by=by, probe_fn=probe_fn, mcfg=mcfg, kv_scales=kv_scales, log=log, **kw)
+        sens = sensitivity(cfg, by=by, probe_fn=trials.probe_fn, mcfg=mcfg, kv_scales=kv_scales, log=log, **kw)
+        saving = _unit_savings(mcfg, sens, memory_bytes)
         all_units = {u.label: u for u in units(mcfg.num_layers, by)}
-        full_tokens = quant.kv_capacity_tokens(mcfg, memory_bytes, full_fp8_recipe())
-        kv_saving = full_tokens * (quant.kv_cache_bytes_per_token(mcfg, None)
-                                   - quant.kv_cache_bytes_per_token(mcfg, full_fp8_recipe()))
-        saving = {row["unit"]: kv_saving if row["kv"] else row["weight_bytes_saved"] for row in sens["units"]}
-
-        def attempt(kept: list[Unit], action: str):
-            rec = full_fp8_recipe(kept, name=name, kv_scales=kv_scales)
-            res = _probe_recipe(cfg, rec, probe_fn, **kw)
-            steps.append({"action": action, "kept": [u.label for u in kept], "m": res.m, "ci_low": res.ci_low,
-                          "ci_high": res.ci_high, "fits": fits(res)})
-            log(f"  {action:<22} -> {budget.metric} {res.m:.3e} [{res.ci_low:.3e}, {res.ci_high:.3e}]"
-                f"{'  fits' if fits(res) else ''}")
-            return rec, res
-
-        # Phase 1: keep the most sensitive units in high precision until the recipe fits.
-        for row in sorted(sens["units"], key=lambda x: (-x["contribution"], saving[x["unit"]])):
-            if row["contribution"] <= 0 and keep:
-                break  # the rest do not reduce M: keeping them costs memory for nothing
-            keep.append(all_units[row["unit"]])
-            recipe, r = attempt(keep, f"keep {row['unit']}")
-            if fits(r):
-                break
-        # Phase 2: M is not additive; give back (re-quantize) kept units, largest memory saving first, while it
-        # still fits — this is what maximises the memory saved.
-        if fits(r):
-            for u in sorted(keep[:-1], key=lambda u: -saving[u.label]):
-                trial = [k for k in keep if k is not u]
-                rec2, r2 = attempt(trial, f"re-quantize {u.label}")
-                if fits(r2):
-                    keep, recipe, r = trial, rec2, r2
+        keep, recipe, r = _keep_most_sensitive(trials, sens["units"], all_units, saving, recipe, r)
+        if trials.fits(r):
+            keep, recipe, r = _give_back(trials, keep, recipe, r, saving)
     saved = quant.weight_bytes(mcfg, None) - quant.weight_bytes(mcfg, recipe)
-    return SearchResult(recipe=recipe, kept=[u.label for u in keep], fits=fits(r), m=r.m, ci_low=r.ci_low,
-                        ci_high=r.ci_high, steps=steps, sensitivity=sens, vllm=_vllm_or_reason(mcfg, recipe),
+    return SearchResult(recipe=recipe, kept=[u.label for u in keep], fits=trials.fits(r), m=r.m, ci_low=r.ci_low,
+                        ci_high=r.ci_high, steps=trials.steps, sensitivity=sens, vllm=_vllm_or_reason(mcfg, recipe),
                         capacity=capacity_report(mcfg, recipe, memory_bytes), weight_bytes_saved=saved,
                         seconds=time.time() - t0)
+
+
+@dataclasses.dataclass
+class _Trials:
+    """Probes full-FP8 recipes that keep some units in high precision, and records each probe as a search step.
+
+    A probe result fits when m <= target (= margin * B) and ci_high <= B."""
+
+    cfg: Any
+    probe_fn: ProbeFn
+    budget: Budget
+    target: float
+    name: str
+    kv_scales: Sequence | None
+    probe_kw: dict[str, Any]
+    log: Any
+    steps: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def fits(self, r) -> bool:
+        return r.m <= self.target and r.ci_high <= self.budget.budget
+
+    def probe(self, kept: list[Unit], action: str):
+        """(recipe, probe result) of the full FP8 recipe keeping `kept`; appended to `steps` as `action`."""
+        rec = full_fp8_recipe(kept, name=self.name, kv_scales=self.kv_scales)
+        res = _probe_recipe(self.cfg, rec, self.probe_fn, **self.probe_kw)
+        self.steps.append({"action": action, "kept": [u.label for u in kept], "m": res.m, "ci_low": res.ci_low,
+                           "ci_high": res.ci_high, "fits": self.fits(res)})
+        return rec, res
+
+    def attempt(self, kept: list[Unit], action: str):
+        """`probe`, logged as one line of the search."""
+        rec, res = self.probe(kept, action)
+        self.log(f"  {action:<22} -> {self.budget.metric} {res.m:.3e} [{res.ci_low:.3e}, {res.ci_high:.3e}]"
+                 f"{'  fits' if self.fits(res) else ''}")
+        return rec, res
+
+
+def _unit_savings(mcfg, sens: Mapping[str, Any], memory_bytes: float) -> dict[str, float]:
+    """unit label -> bytes saved by quantizing it: weights, BF16 minus FP8 bytes with scales; the KV cache,
+    (BF16 - FP8) bytes per token x the tokens a full-FP8 cache holds in `memory_bytes`."""
+    full_tokens = quant.kv_capacity_tokens(mcfg, memory_bytes, full_fp8_recipe())
+    kv_saving = full_tokens * (quant.kv_cache_bytes_per_token(mcfg, None)
+                               - quant.kv_cache_bytes_per_token(mcfg, full_fp8_recipe()))
+    return {row["unit"]: kv_saving if row["kv"] else row["weight_bytes_saved"] for row in sens["units"]}
+
+
+def _keep_most_sensitive(trials: _Trials, rows: Sequence[Mapping[str, Any]], all_units: Mapping[str, Unit],
+                         saving: Mapping[str, float], recipe: quant.Recipe, r):
+    """Phase 1: keep units in high precision, largest contribution first (ties: smaller saving first), until the
+    recipe fits; stop early once the remaining units do not reduce M. Returns (kept, recipe, probe result)."""
+    keep: list[Unit] = []
+    for row in sorted(rows, key=lambda x: (-x["contribution"], saving[x["unit"]])):
+        if row["contribution"] <= 0 and keep:
+            break  # the rest do not reduce M: keeping them costs memory for nothing
+        keep.append(all_units[row["unit"]])
+        recipe, r = trials.attempt(keep, f"keep {row['unit']}")
+        if trials.fits(r):
+            break
+    return keep, recipe, r
+
+
+def _give_back(trials: _Trials, keep: list[Unit], recipe: quant.Recipe, r, saving: Mapping[str, float]):
+    """Phase 2: M is not additive; give back (re-quantize) kept units but the last, largest memory saving first,
+    while the recipe still fits — this is what maximises the memory saved. Returns (kept, recipe, probe result)."""
+    for u in sorted(keep[:-1], key=lambda u: -saving[u.label]):
+        trial = [k for k in keep if k is not u]
+        rec2, r2 = trials.attempt(trial, f"re-quantize {u.label}")
+        if trials.fits(r2):
+            keep, recipe, r = trial, rec2, r2
+    return keep, recipe, r
 
 
 def _vllm_or_reason(mcfg, recipe: quant.Recipe) -> dict[str, Any]:

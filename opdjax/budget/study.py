@@ -46,9 +46,9 @@ import yaml
 
 from opdjax.budget import probe as probe_mod
 from opdjax.budget.fit import (
-    _finite_mean,
     aggregate,
     budget_interval,
+    finite_mean,
     fit_budget,
     knee_bracket,
     mean_ci,
@@ -178,13 +178,13 @@ def train_mismatch(metrics_path: pathlib.Path) -> dict[str, Any]:
     """
     steps = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
     steps = [s for s in steps if "loss" in s]
-    out: dict[str, Any] = {f"m_train_{k}": _finite_mean(s.get(f"mismatch/{k}") for s in steps) for k in TRAIN_METRICS}
+    out: dict[str, Any] = {f"m_train_{k}": finite_mean(s.get(f"mismatch/{k}") for s in steps) for k in TRAIN_METRICS}
     out["nonfinite_steps"] = sum(1 for s in steps if not all(math.isfinite(float(s.get(k, 0.0)))
                                                            for k in ("loss", "grad_norm")))
     tail = steps[-max(len(steps) // 10, 1):]
     if steps and "reward_mean" in steps[0]:
-        out["reward_last"] = _finite_mean(s.get("reward_mean") for s in tail)
-    out["teacher_kl_last"] = _finite_mean(s.get("teacher_kl") for s in tail)
+        out["reward_last"] = finite_mean(s.get("reward_mean") for s in tail)
+    out["teacher_kl_last"] = finite_mean(s.get("teacher_kl") for s in tail)
     return out
 
 
@@ -217,16 +217,9 @@ def run_one(study: StudyConfig, point: Point, seed: int, log: Log = print) -> Ru
     cfg_dict = to_dict(cfg)
     want_probe = point.probe
     if result_path.is_file():
-        try:
-            old = json.loads(result_path.read_text())
-        except json.JSONDecodeError:
-            old = None
-        if (old and run_identity(old.get("train_config") or {}) == run_identity(cfg_dict)
-                and old.get("metric") == study.metric
-                and (not want_probe or old.get("m_probe") is not None)
-                and old.get("probe_batches", study.probe_batches) == study.probe_batches):
-            old.setdefault("probe_batches", study.probe_batches)
-            return dataclasses.replace(RunResult.from_dict(old), reused=True)
+        saved = _saved_result(study, result_path, cfg_dict, want_probe)
+        if saved is not None:
+            return saved
         log(f"  {point.id} seed {seed}: config changed since the saved result; rerunning")
     quiet = lambda s: None  # noqa: E731
     t0 = time.time()
@@ -257,52 +250,115 @@ def run_one(study: StudyConfig, point: Point, seed: int, log: Log = print) -> Ru
     return rec
 
 
+def _saved_result(study: StudyConfig, result_path: pathlib.Path, cfg_dict: Mapping[str, Any],
+                  want_probe: bool) -> RunResult | None:
+    """The saved record at `result_path` (marked reused) when it trains the same run (`run_identity`) with the same
+    probe metric and batches, and has a probe M if one is wanted; None when it is unreadable or differs."""
+    try:
+        old = json.loads(result_path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if (old and run_identity(old.get("train_config") or {}) == run_identity(cfg_dict)
+            and old.get("metric") == study.metric
+            and (not want_probe or old.get("m_probe") is not None)
+            and old.get("probe_batches", study.probe_batches) == study.probe_batches):
+        old.setdefault("probe_batches", study.probe_batches)
+        return dataclasses.replace(RunResult.from_dict(old), reused=True)
+    return None
+
+
 def run_study(study: StudyConfig, log: Log = print) -> dict[str, Any]:
-    """Run (or resume) the whole study; writes and returns budget.json's content."""
+    """Run (or resume) the whole study; writes and returns budget.json's content.
+
+    Order: the baseline point (every quality loss is measured against it), the knee search when enabled, the rest
+    of the sweep and the phenomena points; then the budget fit over the sweep, the phenomena, and the outputs
+    (budget.json, points.csv, budget.png, summary.md).
+    """
     t_start = time.time()
     root = pathlib.Path(study.out_dir)
+    fixed, extra = sweep_points(study), phenomena_points(study)
+    runner = _start_study(study, root, fixed, extra, log)
+    baseline = _baseline(runner(fixed[0]))
+    searched = _search_knee(study, runner, baseline, log) if study.knee.enabled else []
+    for p in fixed[1:] + extra:
+        runner(p)
+    sweep = _sweep_order(fixed + [p for p in searched if p.id not in {q.id for q in fixed}])
+    rows = [aggregate(p, runner.records[p.id], baseline, study.quality) for p in sweep]
+    budget, bracket, interval = _fit_rows(study, rows)
+    phen = phenomena(study, sweep, extra, runner.records, rows, baseline, log)
+    out = _budget_json(study, budget, bracket, interval, baseline, rows, phen, runner, t_start)
+    _add_validity(root, out, log)
+    _write_outputs(root, out, rows)
+    if not bracket["resolved"]:
+        log(f"UNRESOLVED: the knee is not bracketed within a factor {study.knee.factor:g} ({bracket['why']}); "
+            f"`opdjax admit` refuses this budget. Enable the knee search (knee.enabled=true) or add levels.")
+    log(f"budget B = {budget:.4g} [{interval[0]:.3g}, {interval[1]:.3g}] ({study.metric}, bracket {bracket['why']}); "
+        f"wrote {root / 'budget.json'}, points.csv, budget.png, summary.md "
+        f"({time.time() - t_start:.0f}s this invocation, {out['timing']['compute_seconds']:.0f}s of runs in all)")
+    return out
+
+
+class _PointRunner:
+    """Runs every seed of a point once (`run_one`; a later call for the same point returns its records) and logs
+    progress as [done/planned]. `records`: point id -> its RunResults; `done` / `ran`: runs finished / actually run
+    (not reused) in this invocation."""
+
+    def __init__(self, study: StudyConfig, planned: int, log: Log):
+        self.study, self.planned, self.log = study, planned, log
+        self.records: dict[str, list[RunResult]] = {}
+        self.done = self.ran = 0
+
+    def __call__(self, p: Point) -> list[RunResult]:
+        if p.id in self.records:
+            return self.records[p.id]
+        knee = " + knee" if self.study.knee.enabled else ""
+        for s in self.study.seeds:
+            rec = run_one(self.study, p, s, self.log)
+            self.records.setdefault(p.id, []).append(rec)
+            self.done += 1
+            at = f"[{self.done}/{self.planned}{knee}] {p.id} seed {s}"
+            if rec.reused:
+                self.log(f"{at}: done earlier (reused)")
+            else:
+                self.ran += 1
+                mp = "" if rec.m_probe is None else f"M_probe {rec.m_probe:.3g}, "
+                self.log(f"{at}: {mp}M_train {rec.m_train_k3:.3g}, RKL {rec.reverse_kl:.3f}, "
+                         f"acc {rec.accuracy:.3f} ({rec.probe_seconds + rec.train_seconds:.0f}s)")
+        return self.records[p.id]
+
+
+def _start_study(study: StudyConfig, root: pathlib.Path, fixed: Sequence[Point], extra: Sequence[Point],
+                 log: Log) -> _PointRunner:
+    """Create `root`, save the study config there, log the plan; the runner for its points."""
     root.mkdir(parents=True, exist_ok=True)
     write_text(root / "study_config.yaml", yaml.safe_dump(to_dict(study), sort_keys=False))
-    fixed, extra = sweep_points(study), phenomena_points(study)
-    planned = len(fixed + extra) * len(study.seeds)
+    planned = (len(fixed) + len(extra)) * len(study.seeds)
     log(f"study: {len(fixed)} sweep points + {len(extra)} phenomena points x {len(study.seeds)} seeds "
         f"= {planned} runs{' + the knee search' if study.knee.enabled else ''} -> {root}")
-    records: dict[str, list[RunResult]] = {}
-    counts = {"done": 0, "ran": 0}
+    return _PointRunner(study, planned, log)
 
-    def run_point(p: Point) -> list[RunResult]:
-        if p.id in records:
-            return records[p.id]
-        for s in study.seeds:
-            rec = run_one(study, p, s, log)
-            records.setdefault(p.id, []).append(rec)
-            counts["done"] += 1
-            at = f"[{counts['done']}/{planned}{' + knee' if study.knee.enabled else ''}] {p.id} seed {s}"
-            if rec.reused:
-                log(f"{at}: done earlier (reused)")
-            else:
-                counts["ran"] += 1
-                mp = "" if rec.m_probe is None else f"M_probe {rec.m_probe:.3g}, "
-                log(f"{at}: {mp}M_train {rec.m_train_k3:.3g}, RKL {rec.reverse_kl:.3f}, acc {rec.accuracy:.3f} "
-                    f"({rec.probe_seconds + rec.train_seconds:.0f}s)")
-        return records[p.id]
 
-    baseline = _baseline(run_point(fixed[0]))
+def _search_knee(study: StudyConfig, runner: _PointRunner, baseline: Mapping[str, Any], log: Log) -> list[Point]:
+    """The weight-noise points `knee_search` trained, in order; each measured as (mean M probe, mean q_loss)."""
     searched: list[Point] = []
-    if study.knee.enabled:
-        def measure(sigma: float) -> tuple[float, float]:
-            p = noise_point(sigma)
-            searched.append(p)
-            recs = run_point(p)
-            return float(np.mean([r.m_probe for r in recs])), float(np.mean(
-                quality_losses(recs, baseline, study.quality)))
 
-        knee_search(study.knee, study.delta, measure, log)
-    for p in fixed[1:] + extra:
-        run_point(p)
-    ran = counts["ran"]
-    sweep = _sweep_order(fixed + [p for p in searched if p.id not in {q.id for q in fixed}])
-    rows = [aggregate(p, records[p.id], baseline, study.quality) for p in sweep]
+    def measure(sigma: float) -> tuple[float, float]:
+        p = noise_point(sigma)
+        searched.append(p)
+        recs = runner(p)
+        return float(np.mean([r.m_probe for r in recs])), float(np.mean(
+            quality_losses(recs, baseline, study.quality)))
+
+    knee_search(study.knee, study.delta, measure, log)
+    return searched
+
+
+def _fit_rows(study: StudyConfig, rows: list[dict[str, Any]]) -> tuple[float, dict[str, Any], list[float]]:
+    """Fit the budget over the aggregated sweep rows: returns (B, knee bracket, B's interval [lo, hi]).
+
+    Adds to every row its q_loss CI over seeds and the runs' verdict, `within_budget` (the fit's verdict),
+    `q_loss_monotone` (the isotonic fit's value) and `admissible` (M probe ≤ B).
+    """
     for r in rows:
         r["q_loss_ci"] = list(mean_ci([x["q_loss"] for x in r["seeds"]]))
         r["runs_verdict"] = runs_verdict(r["q_loss_ci"], study.delta)
@@ -314,37 +370,45 @@ def run_study(study: StudyConfig, log: Log = print) -> dict[str, Any]:
         r["within_budget"] = w
         r["q_loss_monotone"] = f
         r["admissible"] = bool(r["m_probe"] is not None and r["m_probe"] <= budget)
-    phen = phenomena(study, sweep, extra, records, rows, baseline, log)
-    compute = sum(r.probe_seconds + r.train_seconds for recs in records.values() for r in recs)
+    return budget, bracket, [b_lo, b_hi]
+
+
+def _budget_json(study: StudyConfig, budget: float, bracket: Mapping[str, Any], interval: list[float],
+                 baseline: Mapping[str, Any], rows: list[dict[str, Any]], phen: Mapping[str, Any],
+                 runner: _PointRunner, t_start: float) -> dict[str, Any]:
+    """budget.json's content: the fit, the points, the phenomena, timing, and what the budget was calibrated on."""
+    compute = sum(r.probe_seconds + r.train_seconds for recs in runner.records.values() for r in recs)
     base_cfg = study.train_config_for({}, study.seeds[0])
-    out = {
+    return {
         "metric": study.metric, "budget": budget, "delta": study.delta,
         "status": "RESOLVED" if bracket["resolved"] else "UNRESOLVED", "bracket": bracket,
-        "budget_interval": [b_lo, b_hi],
+        "budget_interval": interval,
         "quality": _quality_text(study.quality),
         "baseline": baseline, "points": rows, "phenomena": phen,
         "timing": {"compute_seconds": compute, "wall_seconds_this_invocation": time.time() - t_start,
-                   "runs": counts["done"], "runs_this_invocation": ran},
+                   "runs": runner.done, "runs_this_invocation": runner.ran},
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
         "calibrated_on": setup_fingerprint(base_cfg, log=lambda m: None),
         "config": {"study": to_dict(study), "base_train_config": to_dict(base_cfg)},
     }
-    validity = root / "validity.json"  # from benchmarks/admission_validity.py, rendered in the summary
+
+
+def _add_validity(root: pathlib.Path, out: dict[str, Any], log: Log) -> None:
+    """out["validity"] from root/validity.json (benchmarks/admission_validity.py writes it) when readable."""
+    validity = root / "validity.json"
     if validity.is_file():
         try:
             out["validity"] = json.loads(validity.read_text())
         except json.JSONDecodeError:
             log(f"ignoring unreadable {validity}")
+
+
+def _write_outputs(root: pathlib.Path, out: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> None:
+    """budget.json, points.csv, budget.png and summary.md under `root`."""
     write_json(root / "budget.json", out)
     write_csv(root / "points.csv", rows)
     plot(root / "budget.png", out)
     write_text(root / "summary.md", summary_markdown(out))
-    if not bracket["resolved"]:
-        log(f"UNRESOLVED: the knee is not bracketed within a factor {study.knee.factor:g} ({bracket['why']}); "
-            f"`opdjax admit` refuses this budget. Enable the knee search (knee.enabled=true) or add levels.")
-    log(f"budget B = {budget:.4g} [{b_lo:.3g}, {b_hi:.3g}] ({study.metric}, bracket {bracket['why']}); wrote {root / 'budget.json'}, points.csv, budget.png, summary.md "
-        f"({time.time() - t_start:.0f}s this invocation, {compute:.0f}s of runs in all)")
-    return out
 
 
 def _baseline(base_recs: Sequence[RunResult]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 from opdjax import quant
 from opdjax.budget.fit import FITS, QUALITIES
 from opdjax.budget.records import Point, noise_point
-from opdjax.config import ConfigError, TrainConfig, _deep_update, from_dict, load, read_config_file
+from opdjax.config import ConfigError, TrainConfig, deep_update, from_dict, load, read_config_file
 from opdjax.core import corrections, mismatch
 
 __all__ = ["KneeConfig", "RLConfig", "SMALL_OVERRIDES", "ShiftConfig", "StudyConfig", "load_study", "round_level"]
@@ -50,7 +50,7 @@ class RLConfig:
 
 
 def _merged(a: Mapping, b: Mapping) -> dict:
-    return _deep_update(json.loads(json.dumps(dict(a))), json.loads(json.dumps(dict(b))))
+    return deep_update(json.loads(json.dumps(dict(a))), json.loads(json.dumps(dict(b))))
 
 
 @dataclasses.dataclass
@@ -180,13 +180,13 @@ class StudyConfig:
                 d = read_config_file(self.train_config)
             except ConfigError as e:
                 raise ConfigError(f"train_config: {e}") from None
-        _deep_update(d, json.loads(json.dumps(self.base)))
-        _deep_update(d, json.loads(json.dumps(dict(overrides))))
-        _deep_update(d, {"seed": seed, "rollout": {"seed": seed}})
+        deep_update(d, json.loads(json.dumps(self.base)))
+        deep_update(d, json.loads(json.dumps(dict(overrides))))
+        deep_update(d, {"seed": seed, "rollout": {"seed": seed}})
         pipe = {"progress": False, "resume": False}
         if out_dir is not None:
             pipe["out_dir"] = out_dir
-        _deep_update(d, {"pipeline": pipe})
+        deep_update(d, {"pipeline": pipe})
         try:
             cfg = from_dict(TrainConfig, d)
             return cfg.validate()

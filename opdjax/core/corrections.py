@@ -18,14 +18,15 @@ import jax.numpy as jnp
 from opdjax.core.mismatch import (
     LOG_RATIO_CLAMP,
     Metrics,
-    _ess,
-    _float_dtype,
-    _prepare,
     check_inputs,
+    effective_sample_size,
     estimator_terms,
+    float_dtype,
     masked_max,
     masked_mean,
+    prepare_log_ratios,
 )
+from opdjax.core.registry import register
 
 Array = jax.Array
 
@@ -72,7 +73,7 @@ def is_weights(
 
 @functools.partial(jax.jit, static_argnames=("level", "normalize"))
 def _is_weights_core(student_logp_BT, rollout_logp_BT, mask_BT, cap, *, level: str, normalize: bool):
-    _, _, valid, r, _ = _prepare(student_logp_BT, rollout_logp_BT, mask_BT)
+    _, _, valid, r, _ = prepare_log_ratios(student_logp_BT, rollout_logp_BT, mask_BT)
     log_cap = jnp.log(jnp.asarray(cap, r.dtype))
     if level == "token":
         logw = r
@@ -85,7 +86,7 @@ def _is_weights_core(student_logp_BT, rollout_logp_BT, mask_BT, cap, *, level: s
     w = jax.lax.stop_gradient(w)
     diag = {
         "is_frac_capped": masked_mean(capped.astype(r.dtype), valid),
-        "is_ess": _ess(w, valid),
+        "is_ess": effective_sample_size(w, valid),
         "is_weight_mean": masked_mean(w, valid),
         "is_weight_max": masked_max(w, valid),
     }
@@ -145,7 +146,7 @@ def rejection_mask(
 @functools.partial(jax.jit, static_argnames=("mode",))
 def _rejection_core(student_logp_BT, rollout_logp_BT, mask_BT, low, high, *, mode: str):
     """``low``/``high`` are the ratio bounds, or both the threshold for the k modes."""
-    _, _, valid, r, _ = _prepare(student_logp_BT, rollout_logp_BT, mask_BT)
+    _, _, valid, r, _ = prepare_log_ratios(student_logp_BT, rollout_logp_BT, mask_BT)
     dt = r.dtype
     vf = valid.astype(dt)
     if mode in ("token", "sequence", "geometric"):
@@ -174,7 +175,7 @@ def _rejection_core(student_logp_BT, rollout_logp_BT, mask_BT, low, high, *, mod
     diag = {
         "reject_frac_tokens": masked_mean(1 - keep_f, valid),
         "reject_frac_seqs": masked_mean((~jnp.any(keep, axis=1)).astype(dt), seq_ok_B),
-        "reject_ess": _ess(jnp.exp(r), keep),
+        "reject_ess": effective_sample_size(jnp.exp(r), keep),
     }
     return keep_f, diag
 
@@ -189,12 +190,12 @@ CORRECTIONS: dict[str, CorrectionFn] = {}
 
 
 def register_correction(name: str) -> Callable[[CorrectionFn], CorrectionFn]:
-    """Decorator adding a correction to :data:`CORRECTIONS` under ``name``; a duplicate name raises ValueError."""
+    """Decorator adding a correction to :data:`CORRECTIONS` under ``name``. Registering the same definition again
+    (same module and qualified name: a re-run notebook cell) replaces it; a different function under a taken name
+    raises ValueError (:func:`opdjax.core.registry.register`)."""
 
     def deco(fn: CorrectionFn) -> CorrectionFn:
-        if name in CORRECTIONS:
-            raise ValueError(f"correction {name!r} is already registered")
-        CORRECTIONS[name] = fn
+        register(CORRECTIONS, "correction", name, fn)
         return fn
 
     return deco
@@ -234,7 +235,7 @@ class Correction:
 @register_correction("none")
 def _corr_none(corr, student_logp_BT, rollout_logp_BT, mask_BT):
     check_inputs(student_logp_BT, rollout_logp_BT, mask_BT)
-    dt = _float_dtype(student_logp_BT, rollout_logp_BT)
+    dt = float_dtype(student_logp_BT, rollout_logp_BT)
     return jnp.asarray(mask_BT).astype(dt), {}
 
 

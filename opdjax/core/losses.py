@@ -9,7 +9,7 @@ Every loss has one signature::
 - ``student_logprobs_BTV`` [B, T, V]: the learner's full log-softmax at the same positions, or None for losses
   whose ``needs`` lack ``"student_logprobs"``. (Raw logits are accepted too: the losses renormalise, which is a
   no-op on log-probs.)
-- ``batch``: a :class:`LossInputs` or a plain dict with the same keys (see :class:`LossInputs`).
+- ``batch``: a :class:`opdjax.core.types.Batch` or a plain dict with its field names.
 - ``correction``: a :class:`opdjax.core.corrections.Correction` (or its name); per-token weights ``w_t`` from
   :func:`opdjax.core.corrections.apply_correction` (stop-gradient, ``w = mask`` for None / "none") multiply each
   token's loss. Its metrics (``corr/...``) join the loss metrics.
@@ -31,7 +31,7 @@ reward            ``reward_B``                                         reinforce
 ``mask_BT`` is always required; ``rollout_logp_BT`` is required whenever a correction other than "none" is used.
 Missing fields and shape mismatches raise ``ValueError`` naming the field, the loss and the shapes.
 
-This is a pure module: it imports only :mod:`opdjax.mismatch`.
+This is a pure module: it imports only other :mod:`opdjax.core` modules.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from opdjax.core.corrections import Correction, apply_correction
-from opdjax.core.mismatch import masked_mean
+from opdjax.core.mismatch import float_dtype, is_concrete, masked_mean
+from opdjax.core.registry import register
 from opdjax.core.types import BATCH_FIELDS, Batch
 
 Array = jax.Array
@@ -68,13 +69,7 @@ _TAIL_EPS = 1e-6
 """Tail masses below this count as 0 (float32 sums of k=V probabilities miss 1 by ~1e-7)."""
 
 
-LossInputs = Batch
-"""What a loss reads: the one training `Batch` (a dict with its field names works the same)."""
-
-_BATCH_FIELDS = BATCH_FIELDS
-
-
-def _get(batch: LossInputs | Mapping[str, Any], key: str):
+def _get(batch: Batch | Mapping[str, Any], key: str):
     if isinstance(batch, Mapping):
         return batch.get(key)
     return getattr(batch, key, None)
@@ -90,7 +85,8 @@ def register_loss(name: str, needs: frozenset[str] = frozenset()) -> Callable[[L
     """Register ``fn`` under ``name`` with the data it ``needs`` (a subset of :data:`NEEDS`).
 
     The registered function validates its inputs first (required fields present, shapes consistent,
-    ``correction`` resolved) and then calls ``fn``.
+    ``correction`` resolved) and then calls ``fn``. Registering the same definition again (same module and
+    qualified name: a re-run notebook cell) replaces it; a different function under a taken name is a ValueError.
     """
     needs = frozenset(needs)
     unknown = needs - NEEDS
@@ -98,9 +94,6 @@ def register_loss(name: str, needs: frozenset[str] = frozenset()) -> Callable[[L
         raise ValueError(f"loss {name!r} declares unknown needs {sorted(unknown)}; valid needs: {sorted(NEEDS)}")
 
     def deco(fn: LossFn) -> LossFn:
-        if name in LOSSES:
-            raise ValueError(f"loss {name!r} is already registered")
-
         @functools.wraps(fn)
         def wrapped(student_logp_BT, student_logprobs_BTV, batch, *, correction=None, **options):
             correction = _resolve_correction(correction)
@@ -109,7 +102,7 @@ def register_loss(name: str, needs: frozenset[str] = frozenset()) -> Callable[[L
 
         wrapped.needs = needs
         wrapped.loss_name = name
-        LOSSES[name] = wrapped
+        register(LOSSES, "loss", name, wrapped, key=fn)
         return wrapped
 
     return deco
@@ -142,18 +135,36 @@ def _active(correction: Correction | None) -> bool:
     return correction is not None and (correction.name != "none" or correction.normalize)
 
 
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
 def _validate(name, needs, student_logp_BT, student_logprobs_BTV, batch, correction) -> None:
-    """Raise ValueError naming the loss and the bad field: missing data or inconsistent shapes."""
-    if not isinstance(batch, Mapping) and not isinstance(batch, LossInputs):
-        raise ValueError(f"loss {name!r}: batch must be a LossInputs or a dict, got {type(batch).__name__}")
+    """Raise ValueError naming the loss and the bad field: missing data or inconsistent shapes.
+
+    With [B, T] = student_logp_BT's shape: every ``*_BT`` field is [B, T], ``student_logprobs_BTV`` and
+    ``teacher_logits_BTV`` are [B, T, V] with one V, the teacher top-k fields are [B, T, K] with K ≤ V and (when
+    concrete) ids in [0, V), ``reward_B`` is [B].
+    """
+    _check_fields(name, needs, student_logprobs_BTV, batch, correction)
+    s = tuple(np.shape(student_logp_BT))
+    if len(s) != 2:
+        raise ValueError(f"loss {name!r}: student_logp_BT must be [B, T], got shape {s}")
+    for field in ("mask_BT", "tokens_BT", "rollout_logp_BT", "teacher_logp_BT"):
+        if _get(batch, field) is not None:
+            _expect_shape(name, batch, field, s, s)
+    V = _student_vocab(name, student_logprobs_BTV, s)
+    _check_teacher_logits(name, batch, s, V)
+    _check_teacher_topk(name, batch, s, V)
+    if _get(batch, "reward_B") is not None:
+        _expect_shape(name, batch, "reward_B", s[:1], s)
+
+
+def _check_fields(name, needs, student_logprobs_BTV, batch, correction) -> None:
+    """The batch is a Batch or a dict of its fields, holding every field the loss's needs (and an active
+    correction's ``rollout_logp_BT``) ask for; the full student log-probs are given when needed."""
+    if not isinstance(batch, (Mapping, Batch)):
+        raise ValueError(f"loss {name!r}: batch must be a Batch or a dict, got {type(batch).__name__}")
     if isinstance(batch, Mapping):
-        extra = sorted(set(batch) - set(_BATCH_FIELDS))
+        extra = sorted(set(batch) - set(BATCH_FIELDS))
         if extra:
-            raise ValueError(f"loss {name!r}: unknown batch field(s) {extra}; valid fields: {list(_BATCH_FIELDS)}")
+            raise ValueError(f"loss {name!r}: unknown batch field(s) {extra}; valid fields: {list(BATCH_FIELDS)}")
     required = ["mask_BT"] + [f for need in sorted(needs) for f in NEED_FIELDS[need]]
     if _active(correction):
         required.append("rollout_logp_BT")
@@ -164,71 +175,63 @@ def _validate(name, needs, student_logp_BT, student_logprobs_BTV, batch, correct
     if "student_logprobs" in needs and student_logprobs_BTV is None:
         raise ValueError(f"loss {name!r} needs the full student log-probs student_logprobs_BTV [B, T, V]; got None")
 
-    s = tuple(np.shape(student_logp_BT))
-    if len(s) != 2:
-        raise ValueError(f"loss {name!r}: student_logp_BT must be [B, T], got shape {s}")
-    B, T = s
 
-    def expect(field, shape, got=None):
-        got = tuple(np.shape(_get(batch, field))) if got is None else got
-        if got != tuple(shape):
-            raise ValueError(
-                f"loss {name!r}: shape mismatch: {field} has shape {got}, expected {tuple(shape)} "
-                f"(student_logp_BT has shape {s})"
-            )
+def _expect_shape(name, batch, field: str, shape: tuple[int, ...], s: tuple[int, int]) -> None:
+    """ValueError unless batch field ``field`` has ``shape`` (``s``: student_logp_BT's shape, for the message)."""
+    got = tuple(np.shape(_get(batch, field)))
+    if got != tuple(shape):
+        raise ValueError(f"loss {name!r}: shape mismatch: {field} has shape {got}, expected {tuple(shape)} "
+                         f"(student_logp_BT has shape {s})")
 
-    for field in ("mask_BT", "tokens_BT", "rollout_logp_BT", "teacher_logp_BT"):
-        if _get(batch, field) is not None:
-            expect(field, (B, T))
-    V = None
-    if student_logprobs_BTV is not None:
-        lp = tuple(np.shape(student_logprobs_BTV))
-        if len(lp) != 3 or lp[:2] != (B, T):
-            raise ValueError(
-                f"loss {name!r}: shape mismatch: student_logprobs_BTV has shape {lp}, expected ({B}, {T}, V)"
-            )
-        V = lp[2]
+
+def _check_btx(name, field: str, x, s: tuple[int, int], last: str) -> tuple[int, ...]:
+    """The shape of ``x``, which must be [B, T, ``last``] with [B, T] = ``s``."""
+    shape = tuple(np.shape(x))
+    if len(shape) != 3 or shape[:2] != s:
+        raise ValueError(f"loss {name!r}: shape mismatch: {field} has shape {shape}, expected ({s[0]}, {s[1]}, "
+                         f"{last})")
+    return shape
+
+
+def _student_vocab(name, student_logprobs_BTV, s: tuple[int, int]) -> int | None:
+    """V of the full student log-probs [B, T, V]; None when they are not given."""
+    if student_logprobs_BTV is None:
+        return None
+    return _check_btx(name, "student_logprobs_BTV", student_logprobs_BTV, s, "V")[2]
+
+
+def _check_teacher_logits(name, batch, s: tuple[int, int], V: int | None) -> None:
+    """teacher_logits_BTV (when present) is [B, T, V'] with V' = the student's V (when known)."""
     logits = _get(batch, "teacher_logits_BTV")
-    if logits is not None:
-        tl = tuple(np.shape(logits))
-        if len(tl) != 3 or tl[:2] != (B, T):
-            raise ValueError(
-                f"loss {name!r}: shape mismatch: teacher_logits_BTV has shape {tl}, expected ({B}, {T}, V)"
-            )
-        if V is not None and tl[2] != V:
-            raise ValueError(
-                f"loss {name!r}: vocabulary mismatch: teacher_logits_BTV has V={tl[2]} (shape {tl}) but "
-                f"student_logprobs_BTV has V={V}"
-            )
+    if logits is None:
+        return
+    tl = _check_btx(name, "teacher_logits_BTV", logits, s, "V")
+    if V is not None and tl[2] != V:
+        raise ValueError(f"loss {name!r}: vocabulary mismatch: teacher_logits_BTV has V={tl[2]} (shape {tl}) but "
+                         f"student_logprobs_BTV has V={V}")
+
+
+def _check_teacher_topk(name, batch, s: tuple[int, int], V: int | None) -> None:
+    """teacher_topk_ids_BTK (when present) is [B, T, K], teacher_topk_logp_BTK the same shape; with the student's
+    V known, K ≤ V and (concrete ids only) every id lies in [0, V)."""
     ids = _get(batch, "teacher_topk_ids_BTK")
-    if ids is not None:
-        ik = tuple(np.shape(ids))
-        if len(ik) != 3 or ik[:2] != (B, T):
-            raise ValueError(
-                f"loss {name!r}: shape mismatch: teacher_topk_ids_BTK has shape {ik}, expected ({B}, {T}, K)"
-            )
-        if _get(batch, "teacher_topk_logp_BTK") is not None:
-            expect("teacher_topk_logp_BTK", ik)
-        if V is not None:
-            if ik[2] > V:
-                raise ValueError(f"loss {name!r}: teacher top-k has K={ik[2]} > student vocabulary V={V}")
-            if _is_concrete(ids):
-                idv = np.asarray(ids)
-                if idv.size and (idv.min() < 0 or idv.max() >= V):
-                    raise ValueError(
-                        f"loss {name!r}: teacher_topk_ids_BTK holds ids in [{idv.min()}, {idv.max()}], "
-                        f"outside the student vocabulary [0, {V})"
-                    )
-    if _get(batch, "reward_B") is not None:
-        expect("reward_B", (B,))
+    if ids is None:
+        return
+    ik = _check_btx(name, "teacher_topk_ids_BTK", ids, s, "K")
+    if _get(batch, "teacher_topk_logp_BTK") is not None:
+        _expect_shape(name, batch, "teacher_topk_logp_BTK", ik, s)
+    if V is None:
+        return
+    if ik[2] > V:
+        raise ValueError(f"loss {name!r}: teacher top-k has K={ik[2]} > student vocabulary V={V}")
+    if is_concrete(ids):
+        idv = np.asarray(ids)
+        if idv.size and (idv.min() < 0 or idv.max() >= V):
+            raise ValueError(f"loss {name!r}: teacher_topk_ids_BTK holds ids in [{idv.min()}, {idv.max()}], "
+                             f"outside the student vocabulary [0, {V})")
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
-
-
-def _dtype(*xs) -> jnp.dtype:
-    """At least float32 (bf16 inputs are upcast); float64 stays float64."""
-    return jnp.result_type(jnp.float32, *[jnp.asarray(x).dtype for x in xs])
 
 
 def _mask(batch) -> Array:
@@ -289,7 +292,7 @@ def group_advantages(reward_B: Array, group_size: int = 1, eps: float = 1e-6) ->
     group_size = 1: batch-mean baseline, adv_b = r_b - mean_b r (not std-normalised).
     """
     r = jnp.asarray(reward_B)
-    r = r.astype(_dtype(r))
+    r = r.astype(float_dtype(r))
     if group_size == 1:
         return r - jnp.mean(r)
     r_GN = r.reshape(-1, group_size)
@@ -328,7 +331,7 @@ def reverse_kl_sampled(
     if baseline not in ("none", "batch"):
         raise ValueError(f"loss 'reverse_kl_sampled': baseline must be 'none' or 'batch', got {baseline!r}")
     m = _mask(batch)
-    dt = _dtype(student_logp_BT, _get(batch, "teacher_logp_BT"))
+    dt = float_dtype(student_logp_BT, _get(batch, "teacher_logp_BT"))
     s = jnp.where(m, jnp.asarray(student_logp_BT, dt), 0)
     t = jnp.where(m, jnp.asarray(_get(batch, "teacher_logp_BT"), dt), 0)
     d = jax.lax.stop_gradient(t - s)
@@ -363,7 +366,7 @@ def forward_kl_topk(
     ``student_topk_mass`` = mean Σ_K S; plus ``corr/...``.
     """
     m = _mask(batch)
-    dt = _dtype(student_logprobs_BTV, _get(batch, "teacher_topk_logp_BTK"))
+    dt = float_dtype(student_logprobs_BTV, _get(batch, "teacher_topk_logp_BTK"))
     ls_BTV = jax.nn.log_softmax(jnp.asarray(student_logprobs_BTV, dt), axis=-1)
     ids_BTK = jnp.asarray(_get(batch, "teacher_topk_ids_BTK")).astype(jnp.int32)
     lt_BTK = jnp.asarray(_get(batch, "teacher_topk_logp_BTK"), dt)
@@ -416,7 +419,7 @@ def jsd(
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"loss 'jsd': beta must be in [0, 1], got {beta}")
     m = _mask(batch)
-    dt = _dtype(student_logprobs_BTV, _get(batch, "teacher_logits_BTV"))
+    dt = float_dtype(student_logprobs_BTV, _get(batch, "teacher_logits_BTV"))
     ls = jax.nn.log_softmax(jnp.asarray(student_logprobs_BTV, dt), axis=-1)
     lt = jax.nn.log_softmax(jnp.asarray(_get(batch, "teacher_logits_BTV"), dt), axis=-1)
     reverse = _kl_last(ls, lt)
@@ -458,7 +461,7 @@ def reinforce(
     if B % group_size:
         raise ValueError(f"loss 'reinforce': batch size {B} is not divisible by group_size {group_size}")
     m = _mask(batch)
-    dt = _dtype(student_logp_BT, _get(batch, "reward_B"))
+    dt = float_dtype(student_logp_BT, _get(batch, "reward_B"))
     s = jnp.where(m, jnp.asarray(student_logp_BT, dt), 0)
     r = jnp.asarray(_get(batch, "reward_B"), dt)
     adv_B = jax.lax.stop_gradient(group_advantages(r, group_size, eps))
@@ -476,7 +479,7 @@ def sft(student_logp_BT, student_logprobs_BTV, batch, *, correction: Correction 
     exp(student_logp) (the mean probability of the target token).
     """
     m = _mask(batch)
-    dt = _dtype(student_logp_BT)
+    dt = float_dtype(student_logp_BT)
     s = jnp.where(m, jnp.asarray(student_logp_BT, dt), 0)
     w, corr_metrics = _weights(correction, student_logp_BT, batch, m, dt)
     loss = -_reduce(w, s, m)

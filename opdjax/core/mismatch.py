@@ -81,9 +81,10 @@ METRIC_KEYS = (
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _is_concrete(x) -> bool:
+def is_concrete(x) -> bool:
     """True when ``x`` holds values this process can inspect now: not a tracer (under jit/vmap/grad) and not a
-    global array with shards on other hosts (multi-process runs)."""
+    global array with shards on other hosts (multi-process runs). Value checks (NaN, mask values, id ranges) run
+    only on concrete inputs."""
     if isinstance(x, jax.core.Tracer):
         return False
     return not (isinstance(x, jax.Array) and not x.is_fully_addressable)
@@ -101,7 +102,7 @@ def _check_shapes(student_logp_BT, rollout_logp_BT, mask_BT) -> None:
 
 def _check_mask_values(mask) -> None:
     """Raise ValueError unless a concrete mask is bool or holds only 0/1. Skipped for tracers."""
-    if not _is_concrete(mask):
+    if not is_concrete(mask):
         return
     m = np.asarray(mask)
     if m.dtype == np.bool_:
@@ -117,7 +118,7 @@ def _check_mask_values(mask) -> None:
 
 
 def _check_finite_masked(name: str, x, mask) -> None:
-    if not (_is_concrete(x) and _is_concrete(mask)):
+    if not (is_concrete(x) and is_concrete(mask)):
         return
     xv = np.asarray(x, dtype=np.float64)
     mv = np.asarray(mask).astype(bool)
@@ -148,8 +149,8 @@ def check_inputs(student_logp_BT, rollout_logp_BT, mask_BT) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _float_dtype(*xs) -> jnp.dtype:
-    """At least float32 (bf16/fp16 inputs are upcast); float64 stays float64."""
+def float_dtype(*xs) -> jnp.dtype:
+    """The compute dtype of ``xs``: at least float32 (bf16/fp16 inputs are upcast); float64 stays float64."""
     return jnp.result_type(jnp.float32, *[jnp.asarray(x).dtype for x in xs])
 
 
@@ -194,8 +195,9 @@ def masked_quantile(x: Array, mask: Array, q: float) -> Array:
     return jnp.where(n > 0, v, 0).astype(x.dtype)
 
 
-def _ess(w: Array, mask: Array) -> Array:
-    """(Σ w)² / (n Σ w²) over unmasked entries; 0 when none (or all weights are 0)."""
+def effective_sample_size(w: Array, mask: Array) -> Array:
+    """Normalised effective sample size of weights ``w``: (Σ w)² / (n Σ w²) ∈ (0, 1] over the n unmasked entries
+    (any shape, ``mask`` bool of the same shape); 0 when none (or all weights are 0)."""
     wm = jnp.where(mask, w, 0)
     n = jnp.sum(mask.astype(w.dtype))
     s1, s2 = jnp.sum(wm), jnp.sum(wm * wm)
@@ -203,12 +205,13 @@ def _ess(w: Array, mask: Array) -> Array:
     return jnp.where(den > 0, s1 * s1 / jnp.where(den > 0, den, 1), 0)
 
 
-def _prepare(student_logp_BT, rollout_logp_BT, mask_BT):
-    """Shared front end (inputs already validated): upcast, exclude non-finite tokens.
+def prepare_log_ratios(student_logp_BT, rollout_logp_BT, mask_BT):
+    """Shared front end of the sampled-token metrics and corrections (inputs already validated by
+    :func:`check_inputs`): upcast to :func:`float_dtype`, exclude non-finite tokens.
 
     Returns ``(student, rollout, valid_BT (bool), r_BT (clamped log-ratio, 0 where invalid), nan_count)``.
     """
-    dt = _float_dtype(student_logp_BT, rollout_logp_BT)
+    dt = float_dtype(student_logp_BT, rollout_logp_BT)
     s = jnp.asarray(student_logp_BT, dt)
     r = jnp.asarray(rollout_logp_BT, dt)
     mask = jnp.asarray(mask_BT)
@@ -258,22 +261,6 @@ def log_ratio(student_logp_BT: Array, rollout_logp_BT: Array) -> Array:
     return jnp.clip(student_logp_BT - rollout_logp_BT, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-def k3_kl(student_logp_BT: Array, rollout_logp_BT: Array, mask_BT: Array) -> Array:
-    """k3 estimate of KL(mu‖pi) on the engine's own samples.
-
-    r = clamp(student_logp - rollout_logp, ±20);  k3 = Σ mask·(exp(r) - r - 1) / max(Σ mask, 1).
-    Non-negative; exactly zero when both log-probs agree on every unmasked token; finite for an all-masked batch.
-    """
-    check_inputs(student_logp_BT, rollout_logp_BT, mask_BT)
-    return _k3_core(student_logp_BT, rollout_logp_BT, mask_BT)
-
-
-@jax.jit
-def _k3_core(student_logp_BT, rollout_logp_BT, mask_BT):
-    _, _, valid, r, _ = _prepare(student_logp_BT, rollout_logp_BT, mask_BT)
-    return masked_mean(estimator_terms(r, "k3"), valid)
-
-
 def metrics(
     student_logp_BT: Array, rollout_logp_BT: Array, mask_BT: Array, *, ratio_threshold: float = 2.0
 ) -> Metrics:
@@ -297,7 +284,7 @@ def metrics(
 
 @jax.jit
 def _metrics_core(student_logp_BT, rollout_logp_BT, mask_BT, ratio_threshold) -> Metrics:
-    s, ro, valid, r, nan_count = _prepare(student_logp_BT, rollout_logp_BT, mask_BT)
+    s, ro, valid, r, nan_count = prepare_log_ratios(student_logp_BT, rollout_logp_BT, mask_BT)
     dt = r.dtype
     vf = valid.astype(dt)
     n_tok = jnp.sum(valid.astype(jnp.int32))
@@ -332,7 +319,7 @@ def _metrics_core(student_logp_BT, rollout_logp_BT, mask_BT, ratio_threshold) ->
         "is_ratio_std": jnp.sqrt(masked_mean((rho - is_mean) ** 2, valid)),
         "is_ratio_min": masked_min(rho, valid),
         "is_ratio_max": masked_max(rho, valid),
-        "ess": _ess(rho, valid),
+        "ess": effective_sample_size(rho, valid),
         "frac_ratio_out": masked_mean(((r < -log_c) | (r > log_c)).astype(dt), valid),
         "abs_prob_diff_mean": masked_mean(
             jnp.abs(jnp.exp(jnp.minimum(s, LOG_RATIO_CLAMP)) - jnp.exp(jnp.minimum(ro, LOG_RATIO_CLAMP))), valid
@@ -361,7 +348,7 @@ def _check_logits(student_logits_BTV, rollout_logits_BTV, mask_BT=None) -> None:
             raise ValueError(f"shape mismatch: mask_BT has shape {m} but the logits have shape {s} (expected {s[:2]})")
         _check_mask_values(mask_BT)
     for name, x in (("student_logits_BTV", student_logits_BTV), ("rollout_logits_BTV", rollout_logits_BTV)):
-        if _is_concrete(x) and np.isnan(np.asarray(x, dtype=np.float64)).any():
+        if is_concrete(x) and np.isnan(np.asarray(x, dtype=np.float64)).any():
             raise ValueError(f"{name} contains NaN; expected finite logits (-inf allowed for truncated entries)")
 
 
@@ -376,7 +363,7 @@ def _check_top_k(top_k, V: int) -> None:
 
 
 def _log_softmax(logits_BTV: Array, temperature) -> Array:
-    dt = _float_dtype(logits_BTV)
+    dt = float_dtype(logits_BTV)
     return jax.nn.log_softmax(jnp.asarray(logits_BTV, dt) / temperature, axis=-1)
 
 

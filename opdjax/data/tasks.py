@@ -38,6 +38,7 @@ from typing import Any, Callable, ClassVar, Iterable, Protocol, runtime_checkabl
 import numpy as np
 
 from opdjax.core.errors import InputError
+from opdjax.core.registry import register
 
 SPLITS = ("train", "heldout")
 HELDOUT_FRACTION = 0.1
@@ -71,12 +72,12 @@ TASKS: dict[str, Callable[..., Task]] = {}
 
 
 def register_task(name: str):
-    """Class decorator: ``get_task(name, **options)`` builds ``cls(**options)``."""
+    """Class decorator: ``get_task(name, **options)`` builds ``cls(**options)``. Registering the same definition
+    again (same module and qualified name: a re-run notebook cell) replaces it; a different class under a taken
+    name raises ValueError (:func:`opdjax.core.registry.register`)."""
 
     def deco(cls):
-        if name in TASKS:
-            raise ValueError(f"task {name!r} is already registered")
-        TASKS[name] = cls
+        register(TASKS, "task", name, cls)
         return cls
 
     return deco

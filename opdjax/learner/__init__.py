@@ -1,7 +1,9 @@
-"""The learner: a jitted, sharded train step on one Batch (`learner`), and orbax checkpoints (`checkpoint`)."""
+"""The learner: a jitted, sharded train step on one Batch with optional gradient accumulation (`learner`), model
+adapters for any NNX causal LM (`adapters`), and orbax checkpoints (`checkpoint`)."""
 
+from opdjax.learner.adapters import CausalLMAdapter, DecoderAdapter, LogitsAdapter
 from opdjax.learner.checkpoint import latest_step, restore_checkpoint, save_checkpoint
 from opdjax.learner.learner import Learner, TrainState, make_optimizer, make_schedule
 
-__all__ = ["Learner", "TrainState", "make_optimizer", "make_schedule", "latest_step", "restore_checkpoint",
-           "save_checkpoint"]
+__all__ = ["CausalLMAdapter", "DecoderAdapter", "Learner", "LogitsAdapter", "TrainState", "latest_step",
+           "make_optimizer", "make_schedule", "restore_checkpoint", "save_checkpoint"]

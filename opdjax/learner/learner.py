@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from opdjax.core import corrections, losses, mismatch
 from opdjax.core.logprobs import chunked_token_logprobs, token_logprobs
 from opdjax.core.types import Batch
+from opdjax.learner.adapters import CausalLMAdapter, DecoderAdapter
 from opdjax.models.sharding import batch_sharding, shard_state
 
 Array = jax.Array
@@ -82,25 +83,37 @@ def to_global(batch: Batch, mesh: Mesh) -> Batch:
 
 
 class Learner:
-    """Owns the jitted train step for one student, loss and optimizer on one mesh."""
+    """Owns the jitted train step for one student, loss and optimizer on one mesh.
+
+    graphdef       the student's NNX graph (`nnx.split(model)`); any causal LM the `adapter` reads
+    loss           a registered loss name (`core.losses.LOSSES`); `needs` says what teacher data it wants
+    temperature    the sampling temperature of the rollouts it trains on (log-probs use logits / T); a step may
+                   override it (`train_step(..., temperature=)`, traced: no recompile)
+    micro_batches  k > 1 accumulates gradients over k micro-batches of B / k rows (rows b ≡ m mod k form micro-batch
+                   m): one optimizer step, the same result as one batch of B rows (see `_grads_accumulated`)
+    adapter        how to read the model (`learner.adapters`; default: opdjax's `Decoder`)
+    """
 
     def __init__(self, graphdef: nnx.GraphDef, *, loss: str = "reverse_kl_sampled",
                  loss_options: Mapping[str, Any] | None = None, correction: corrections.Correction | None = None,
                  tx: optax.GradientTransformation | None = None, schedule: optax.Schedule | None = None,
-                 temperature: float = 1.0, mesh: Mesh | None = None, logprob_chunk: int = 0):
+                 temperature: float = 1.0, mesh: Mesh | None = None, logprob_chunk: int = 0,
+                 micro_batches: int = 1, adapter: CausalLMAdapter | None = None):
         self.graphdef = graphdef
         self.loss_name = loss
         self.loss_fn = losses.get_loss(loss)
         self.needs = losses.loss_needs(loss)
         self.loss_options = dict(loss_options or {})
         self.correction = correction
-        self.temperature = float(temperature)
+        self.temperature = _check_temperature(temperature)
+        self.micro_batches = _check_micro_batches(micro_batches, self.needs, correction)
+        self.adapter = adapter if adapter is not None else DecoderAdapter()
         self.logprob_chunk = int(logprob_chunk) or None  # 0: `logprob_chunk_len` picks
         self.mesh = mesh if mesh is not None else Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1),
                                                         ("data", "fsdp", "tensor"))
         self.tx = tx  # None: the learner only scores (`logp`); `train_step` needs an optimizer
         self.schedule = schedule if schedule is not None else (lambda step: jnp.float32(jnp.nan))
-        self._step = None
+        self._steps: dict[bool, Any] = {}
         self._logp = None
         self.state_shardings = None
 
@@ -120,50 +133,76 @@ class Learner:
 
     # -- step ------------------------------------------------------------------------------------------------------
     def _student_logp(self, params, tokens_BT, valid_BT, temperature, full: bool):
-        """(logp_BT, full shifted log-softmax [B, T, V] or None). Without `full` the log-probs come from the hidden
-        states in chunks (`chunked_token_logprobs`): the [B, T, V] logits are never materialised."""
+        """(logp_BT, full shifted log-softmax [B, T, V] or None). Without `full`, and when the adapter splits off
+        the output projection, the log-probs come from hidden states in chunks (`chunked_token_logprobs`): the
+        [B, T, V] logits are never materialised."""
         model = nnx.merge(self.graphdef, params)
-        if full:
-            logits, _ = model(tokens_BT, valid_BT=valid_BT)
-            return token_logprobs(logits, tokens_BT, temperature, True)
-        h, _ = model(tokens_BT, valid_BT=valid_BT, return_hidden=True)
-        return chunked_token_logprobs(h, model.lm_head_kernel(), tokens_BT, temperature, self.logprob_chunk), None
+        split = None if full else self.adapter.hidden(model, tokens_BT, valid_BT)
+        if split is None:
+            return token_logprobs(self.adapter.logits(model, tokens_BT, valid_BT), tokens_BT, temperature, full)
+        h_BTE, w_EV = split
+        return chunked_token_logprobs(h_BTE, w_EV, tokens_BT, temperature, self.logprob_chunk), None
 
-    def _build_step(self):
+    def _loss(self, logp_BT, logprobs_BTV, batch: Batch):
+        return self.loss_fn(logp_BT, logprobs_BTV, batch, correction=self.correction, **self.loss_options)
+
+    def _grads_whole(self, params, batch: Batch, temperature):
+        """(loss, metrics, logp_BT, grads) of the loss on the whole batch in one pass."""
         full = "student_logprobs" in self.needs
 
-        def step(state: TrainState, batch: Batch):
-            def objective(params):
-                logp_BT, logprobs_BTV = self._student_logp(params, batch.tokens_BT, batch.valid_BT,
-                                                           self.temperature, full)
-                loss, m = self.loss_fn(logp_BT, logprobs_BTV, batch, correction=self.correction,
-                                       **self.loss_options)
-                return loss, (m, logp_BT)
+        def objective(p):
+            logp_BT, logprobs_BTV = self._student_logp(p, batch.tokens_BT, batch.valid_BT, temperature, full)
+            loss, m = self._loss(logp_BT, logprobs_BTV, batch)
+            return loss, (m, logp_BT)
 
-            (loss, (m, logp_BT)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+        (loss, (m, logp_BT)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return loss, m, logp_BT, grads
+
+    def _grads_accumulated(self, params, batch: Batch, temperature):
+        """(loss, metrics, logp_BT, grads) over `micro_batches` micro-batches, equal to `_grads_whole`.
+
+        Losses of log-probs only (two passes, exact for any batch-level statistic such as a batch baseline):
+        logp_BT by micro-batch without gradients; g_BT = ∂loss/∂logp_BT on the whole batch; then
+        grads = Σ_m vjp(logp_m(θ), g_m). Losses of the full log-softmax (token sums): each micro-batch's loss
+        weighted by its share of the masked tokens, max(n_m, 1) / max(N, 1), so Σ_m = the whole batch's loss.
+        """
+        if "student_logprobs" in self.needs:
+            return _accumulate_token_sums(self, params, batch, temperature)
+        return _accumulate_two_pass(self, params, batch, temperature)
+
+    def _build_step(self, with_rollout: bool):
+        grads_fn = self._grads_whole if self.micro_batches == 1 else self._grads_accumulated
+
+        def step(state: TrainState, batch: Batch, temperature):
+            loss, m, logp_BT, grads = grads_fn(state.params, batch, temperature)
             updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             metrics = {**m, "loss": loss, "grad_norm": optax.tree.norm(grads), "lr": self.schedule(state.step)}
-            mm = mismatch.metrics(jax.lax.stop_gradient(logp_BT), batch.rollout_logp_BT, batch.mask_BT)
-            metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
+            if with_rollout:  # mismatch metrics only when the engine's log-probs came with the batch
+                mm = mismatch.metrics(jax.lax.stop_gradient(logp_BT), batch.rollout_logp_BT, batch.mask_BT)
+                metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
             return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
         rep = NamedSharding(self.mesh, P())
-        return jax.jit(step, in_shardings=(self.state_shardings, None), out_shardings=(self.state_shardings, rep),
-                       donate_argnums=0)
+        return jax.jit(step, in_shardings=(self.state_shardings, None, None),
+                       out_shardings=(self.state_shardings, rep), donate_argnums=0)
 
-    def train_step(self, state: TrainState, batch: Batch | Mapping[str, np.ndarray]
-                   ) -> tuple[TrainState, dict[str, float]]:
+    def train_step(self, state: TrainState, batch: Batch | Mapping[str, np.ndarray], *,
+                   temperature: float | None = None) -> tuple[TrainState, dict[str, float]]:
         """One optimizer step on a host batch (a Batch, or a dict of its fields); returns the new state and scalar
-        metrics (host floats)."""
+        metrics (host floats). `rollout_logp_BT` is optional: with it the metrics include `mismatch/*` (and a
+        correction can use it); `temperature` overrides the learner's for this step."""
         batch = Batch.from_mapping(batch, where="train_step")
-        batch.require(("tokens_BT", "valid_BT", "mask_BT", "rollout_logp_BT"), where="train_step")
+        batch.require(("tokens_BT", "valid_BT", "mask_BT"), where="train_step")
         if self.tx is None:
             raise ValueError("train_step: this Learner has no optimizer (tx=None scores only); pass tx=, e.g. "
                              "learner.make_optimizer(lr=..., total_steps=...)")
-        if self._step is None:
-            self._step = self._build_step()
-        state, metrics = self._step(state, to_global(batch, self.mesh))
+        _check_divides(np.shape(batch.tokens_BT)[0], self.micro_batches)
+        t = self.temperature if temperature is None else _check_temperature(temperature)
+        with_rollout = batch.rollout_logp_BT is not None
+        if with_rollout not in self._steps:
+            self._steps[with_rollout] = self._build_step(with_rollout)
+        state, metrics = self._steps[with_rollout](state, to_global(batch, self.mesh), jnp.float32(t))
         return state, {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def logp(self, params: nnx.State, tokens_BT: np.ndarray, valid_BT: np.ndarray,
@@ -177,3 +216,85 @@ class Learner:
         g = to_global(Batch(mask_BT=None, tokens_BT=tokens_BT, valid_BT=valid_BT), self.mesh)
         t = self.temperature if temperature is None else temperature
         return np.asarray(jax.device_get(self._logp(params, g.tokens_BT, g.valid_BT, t)))
+
+
+# -- checks and gradient accumulation ----------------------------------------------------------------------------------
+
+def _check_temperature(t: float) -> float:
+    if not (np.isfinite(t) and t > 0):
+        raise ValueError(f"learner temperature must be finite and > 0 (the rollouts' sampling temperature; 1.0 for "
+                         f"greedy rollouts, whose log-probs are reported at T = 1), got {t}")
+    return float(t)
+
+
+def _check_micro_batches(k: int, needs: frozenset[str], correction) -> int:
+    """k as an int >= 1; refused where accumulation could not equal one batch (a full-log-softmax loss with a
+    correction normalised over the batch)."""
+    if int(k) != k or k < 1:
+        raise ValueError(f"micro_batches must be an integer >= 1, got {k}")
+    if k > 1 and "student_logprobs" in needs and correction is not None and correction.normalize:
+        raise ValueError("micro_batches > 1 with a full-log-softmax loss and correction.normalize=true: the "
+                         "batch-normalised weights cannot be accumulated exactly; use micro_batches=1 or "
+                         "normalize=false")
+    return int(k)
+
+
+def _check_divides(B: int, k: int) -> None:
+    if B % k:
+        raise ValueError(f"train_step: a batch of {B} rows does not split into micro_batches={k} equal "
+                         f"micro-batches; use a batch size that is a multiple of {k}")
+
+
+def micro_split(x, k: int):
+    """[B, ...] -> [k, B/k, ...], micro-batch m = rows b with b % k == m (a row-sharded batch stays local)."""
+    return None if x is None else jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+
+
+def micro_join(x_k):
+    """Inverse of `micro_split`: [k, B/k, ...] -> [B, ...]."""
+    return jnp.swapaxes(x_k, 0, 1).reshape(-1, *x_k.shape[2:])
+
+
+def _accumulate_two_pass(learner: Learner, params, batch: Batch, temperature):
+    """Exact accumulation for losses of logp_BT only (see `Learner._grads_accumulated`)."""
+    k = learner.micro_batches
+    tok_k, val_k = micro_split(batch.tokens_BT, k), micro_split(batch.valid_BT, k)
+
+    def logp(p, tok, val):
+        return learner._student_logp(p, tok, val, temperature, False)[0]
+
+    _, logp_k = jax.lax.scan(lambda c, xs: (c, logp(params, *xs)), None, (tok_k, val_k))
+    logp_BT = micro_join(logp_k)
+    (loss, m), g_BT = jax.value_and_grad(lambda lp: learner._loss(lp, None, batch), has_aux=True)(logp_BT)
+
+    def backward(acc, xs):
+        tok, val, g = xs
+        _, vjp = jax.vjp(lambda p: logp(p, tok, val), params)
+        return jax.tree.map(jnp.add, acc, vjp(g)[0]), None
+
+    grads, _ = jax.lax.scan(backward, jax.tree.map(jnp.zeros_like, params), (tok_k, val_k, micro_split(g_BT, k)))
+    return loss, m, logp_BT, grads
+
+
+def _accumulate_token_sums(learner: Learner, params, batch: Batch, temperature):
+    """Accumulation for full-log-softmax losses, which are token sums: Σ_m loss_m · max(n_m, 1) / max(N, 1)."""
+    k = learner.micro_batches
+    micro = jax.tree.map(lambda x: micro_split(x, k), batch)
+    n_total = jnp.maximum(jnp.sum(jnp.asarray(batch.mask_BT, jnp.float32)), 1.0)
+
+    def one(acc, mb: Batch):
+        share = jnp.maximum(jnp.sum(jnp.asarray(mb.mask_BT, jnp.float32)), 1.0) / n_total
+
+        def objective(p):
+            logp_BT, logprobs_BTV = learner._student_logp(p, mb.tokens_BT, mb.valid_BT, temperature, True)
+            loss, m = learner._loss(logp_BT, logprobs_BTV, mb)
+            return loss * share, (m, logp_BT)
+
+        (loss, (m, logp_BT)), g = jax.value_and_grad(objective, has_aux=True)(params)
+        grads, total = acc
+        return (jax.tree.map(jnp.add, grads, g), total + loss), (logp_BT, m, share)
+
+    init = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0))
+    (grads, loss), (logp_k, m_k, share_k) = jax.lax.scan(one, init, micro)
+    m = jax.tree.map(lambda v: jnp.tensordot(share_k, v, axes=1), m_k)  # token-share weighted means
+    return loss, m, micro_join(logp_k), grads

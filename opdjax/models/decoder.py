@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -353,50 +353,40 @@ class Decoder(nnx.Module):
         if decode_attention not in DECODE_ATTENTION_IMPLS:
             raise ValueError(f"decode_attention={decode_attention!r} is not valid; choose one of "
                              f"{list(DECODE_ATTENTION_IMPLS)}")
-        cfg = self.cfg
         B, T = tokens_BT.shape
         valid_BT = jnp.ones((B, T), bool) if valid_BT is None else valid_BT.astype(bool)
-        use_cache = cache is not None
-        if use_cache:
-            index = cache.index
-            if positions_BT is None:
-                seen_B = jnp.sum(cache.valid_BS, axis=1)
-                positions_BT = jnp.maximum(seen_B[:, None] + jnp.cumsum(valid_BT, axis=1) - 1, 0)
-            valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, valid_BT, (0, index))
-            S = valid_BS.shape[1]
-            q_slot_T = index + jnp.arange(T)
-            fused = "pallas" if decode_attention == "pallas" and T == 1 else None
-            span = (jnp.argmax(valid_BS, axis=1), index + 1) if fused == "pallas" else None
-        else:  # a cache-free forward: causal self-attention over the T tokens
-            index = jnp.zeros((), jnp.int32)
-            if positions_BT is None:
-                positions_BT = jnp.maximum(jnp.cumsum(valid_BT, axis=1) - 1, 0)
-            valid_BS, S, q_slot_T = valid_BT, T, jnp.arange(T)
-            impl = resolve_attention(self.attention, self.dtype, cfg.head_dim)
-            fused = None if impl == "einsum" else impl
-            span = None
-        visible_BTS = (jnp.arange(S)[None, None, :] <= q_slot_T[None, :, None]) & valid_BS[:, None, :]
-        cos, sin = rope_cos_sin(cfg, positions_BT)
+        if cache is not None:
+            lay = _cached_layout(cache, valid_BT, positions_BT, decode_attention)
+        else:
+            lay = _causal_layout(valid_BT, positions_BT, resolve_attention(self.attention, self.dtype,
+                                                                           self.cfg.head_dim))
+        cos, sin = rope_cos_sin(self.cfg, lay.positions_BT)
         x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
+        x, ks, vs = self._blocks(x, cos, sin, lay, cache, quant, merged)
+        x = self.norm(x)
+        new_cache = None if cache is None else KVCache(k=ks, v=vs, valid_BS=lay.valid_BS, index=lay.index + T)
+        if return_hidden:
+            return x, new_cache
+        return self.logits(x, quant), new_cache
 
+    def _blocks(self, x, cos, sin, lay: "_AttentionLayout", cache: KVCache | None, quant: ForwardQuant | None,
+                merged: tuple[MergedProjections, ...] | None) -> tuple[Array, tuple, tuple]:
+        """Every block in turn (under `nnx.remat` when self.remat says so): the hidden states [B, T, E] after the
+        last block, and each layer's updated K and V caches (None per layer without a cache)."""
         def run(block, x, cos, sin, k, v, visible_BTS, index, merged_i):
-            return block(x, cos, sin, k, v, visible_BTS, index, quant, fused, merged_i, span)
+            return block(x, cos, sin, k, v, visible_BTS, index, quant, lay.fused, merged_i, lay.span)
 
         if self.remat != "none":
             policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if self.remat == "dots" else None
             run = nnx.remat(run, policy=policy)
         ks, vs = [], []
         for i, block in enumerate(self.layers):
-            k_i, v_i = (cache.k[i], cache.v[i]) if use_cache else (None, None)
+            k_i, v_i = (cache.k[i], cache.v[i]) if cache is not None else (None, None)
             m_i = None if merged is None else merged[i]
-            x, k_i, v_i = run(block, x, cos, sin, k_i, v_i, visible_BTS, index, m_i)
+            x, k_i, v_i = run(block, x, cos, sin, k_i, v_i, lay.visible_BTS, lay.index, m_i)
             ks.append(k_i)
             vs.append(v_i)
-        x = self.norm(x)
-        new_cache = KVCache(k=tuple(ks), v=tuple(vs), valid_BS=valid_BS, index=index + T) if use_cache else None
-        if return_hidden:
-            return x, new_cache
-        return self.logits(x, quant), new_cache
+        return x, tuple(ks), tuple(vs)
 
     def logits(self, h_BTE: Array, quant: ForwardQuant | None = None) -> Array:
         """Logits [B, T, V] in f32 from final-norm hidden states: h @ `lm_head_kernel()` (the lm_head input through
@@ -404,6 +394,56 @@ class Decoder(nnx.Module):
         if quant is not None and self.lm_head is not None:
             h_BTE = quant.act(self.lm_head.name, h_BTE)
         return jnp.dot(h_BTE.astype(self.dtype), self.lm_head_kernel()).astype(jnp.float32)
+
+
+class _AttentionLayout(NamedTuple):
+    """Where a forward's T query tokens sit among the S key slots, and which attention implementation runs.
+
+    positions_BT  rope position of each query token
+    valid_BS      key slots holding real tokens (with a cache: its slots after this call's write)
+    index         the first slot this call writes (0 without a cache)
+    visible_BTS   query t may attend to slot s: s ≤ slot(t) and s valid
+    fused         the fused attention kernel, or None for the einsum path
+    span          pallas decode only: (first valid slot per row [B], index + 1)
+    """
+
+    positions_BT: Array
+    valid_BS: Array
+    index: Array
+    visible_BTS: Array
+    fused: str | None
+    span: tuple[Array, Array] | None
+
+
+def _visible(valid_BS: Array, q_slot_T: Array) -> Array:
+    """visible_BTS = (s ≤ q_slot_T[t]) & valid_BS[b, s]: causal over slots, padding never attended to."""
+    S = valid_BS.shape[1]
+    return (jnp.arange(S)[None, None, :] <= q_slot_T[None, :, None]) & valid_BS[:, None, :]
+
+
+def _cached_layout(cache: KVCache, valid_BT: Array, positions_BT: Array | None,
+                   decode_attention: str) -> _AttentionLayout:
+    """The T tokens written at cache slots [index, index + T). Positions default to the real tokens already in
+    the cache plus those before each one; a one-token step uses pallas decode when decode_attention="pallas"."""
+    T = valid_BT.shape[1]
+    index = cache.index
+    if positions_BT is None:
+        seen_B = jnp.sum(cache.valid_BS, axis=1)
+        positions_BT = jnp.maximum(seen_B[:, None] + jnp.cumsum(valid_BT, axis=1) - 1, 0)
+    valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, valid_BT, (0, index))
+    fused = "pallas" if decode_attention == "pallas" and T == 1 else None
+    span = (jnp.argmax(valid_BS, axis=1), index + 1) if fused == "pallas" else None
+    return _AttentionLayout(positions_BT, valid_BS, index, _visible(valid_BS, index + jnp.arange(T)), fused, span)
+
+
+def _causal_layout(valid_BT: Array, positions_BT: Array | None, impl: str) -> _AttentionLayout:
+    """A cache-free forward: causal self-attention over the T tokens (S = T), with attention implementation
+    `impl` (from `resolve_attention`); positions default to the real tokens before each one."""
+    T = valid_BT.shape[1]
+    if positions_BT is None:
+        positions_BT = jnp.maximum(jnp.cumsum(valid_BT, axis=1) - 1, 0)
+    return _AttentionLayout(positions_BT, valid_BT, jnp.zeros((), jnp.int32), _visible(valid_BT, jnp.arange(T)),
+                            None if impl == "einsum" else impl, None)
 
 
 def merge_projections(model: Decoder, quant: ForwardQuant | None = None) -> tuple[MergedProjections, ...]:

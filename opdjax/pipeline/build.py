@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Any
 
 import jax
 import numpy as np
@@ -17,7 +16,6 @@ from opdjax.config import ConfigError, TrainConfig
 from opdjax.core.corrections import Correction
 from opdjax.data import tasks
 from opdjax.data.prepare import prepare_builtin
-from opdjax.data.tasks import Task
 from opdjax.learner import Learner, make_optimizer
 from opdjax.models import ModelConfig, hf
 from opdjax.models.sharding import make_mesh
@@ -26,31 +24,37 @@ from opdjax.remote.client import RemoteEngine, RemoteTeacher, read_token
 from opdjax.rollout import RolloutEngine, SamplingParams
 from opdjax.rollout.jax_engine import JaxEngine
 from opdjax.rollout.vllm_engine import VllmEngine  # vLLM itself is imported on first use
-from opdjax.sync import Link, Publisher, open_link
-from opdjax.sync.manifest import np_dtype
+from opdjax.pipeline.evaluate import Evaluator
+from opdjax.pipeline.opd import OPDParts, learner_temperature
+from opdjax.sync import Link, Publisher, engine_publisher
 from opdjax.teacher import JaxTeacher, Teacher, check_same_vocab
 from opdjax.teacher.vllm_teacher import VllmTeacher
 
-__all__ = ["Run", "build", "make_engine", "make_publisher", "make_teacher", "resolve_models", "sampling_params"]
+__all__ = ["Run", "build", "make_engine", "make_evaluator", "make_publisher", "make_teacher", "resolve_models",
+           "sampling_params"]
 
 
 @dataclasses.dataclass
 class Run:
-    """Everything one training run holds."""
+    """Everything one training run holds: the OPD components (`parts`, what `pipeline.opd` steps on) and what the
+    loop needs besides (the config, the model, the mesh, the run directory, the links to close)."""
 
     cfg: TrainConfig
-    tokenizer: Any                   # a transformers tokenizer (student's; the teacher's is checked identical)
-    task: Task
+    parts: OPDParts
     student_cfg: ModelConfig
     graphdef: nnx.GraphDef
     params: nnx.State                # the student's initial weights
-    teacher: Teacher | None          # None when built with_teacher=False (probes rescore only the student)
-    engine: RolloutEngine
-    learner: Learner
     mesh: Mesh
     out_dir: pathlib.Path
-    publisher: Publisher             # learner -> engine, through the link `sync.transport` names
     links: list[Link] = dataclasses.field(default_factory=list)
+
+    # The components, by the names the rest of the package reads them.
+    engine = property(lambda self: self.parts.engine)
+    teacher = property(lambda self: self.parts.teacher)  # None when built with_teacher=False
+    learner = property(lambda self: self.parts.learner)
+    publisher = property(lambda self: self.parts.publisher)
+    tokenizer = property(lambda self: self.parts.tokenizer)
+    task = property(lambda self: self.parts.task)
 
     def close(self) -> None:
         """Release what the run opened for publishing (sockets, snapshot directories)."""
@@ -108,12 +112,8 @@ def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, p
 def make_publisher(cfg: TrainConfig, student_cfg: ModelConfig, engine: RolloutEngine) -> tuple[Publisher, Link]:
     """The run's publisher: the learner's params -> HF-named tensors in the engine's dtype -> the engine, through
     the link `sync.transport` names (the engine's own receiver validates and applies each version)."""
-    if isinstance(engine, RemoteEngine):  # each server's tcp bridge, fed once (by process 0)
-        return Publisher(student_cfg, engine.link, dtype=np_dtype(engine.spec.dtype)), engine.link
-    receiver = engine.receiver
     kind = "inproc" if cfg.sync.transport == "auto" else cfg.sync.transport
-    link = open_link(kind, receiver, root=cfg.sync.root or None, timeout=cfg.sync.timeout)
-    return Publisher(student_cfg, link, dtype=np_dtype(receiver.spec.dtype), every_process=True), link
+    return engine_publisher(engine, student_cfg, transport=kind, root=cfg.sync.root or None, timeout=cfg.sync.timeout)
 
 
 def make_teacher(cfg: TrainConfig, teacher_path: str, mesh: Mesh) -> Teacher:
@@ -175,18 +175,32 @@ def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True) -> Run:
         loss_options.setdefault("group_size", cfg.rollout.samples_per_prompt)
     correction = (None if cfg.loss.correction == "none"
                   else Correction(name=cfg.loss.correction, **cfg.loss.correction_options))
-    tx, schedule = make_optimizer(total_steps=cfg.pipeline.steps, **dataclasses.asdict(cfg.optim))
+    o = cfg.optim
+    tx, schedule = make_optimizer(lr=o.lr, total_steps=cfg.pipeline.steps, schedule=o.schedule,
+                                  warmup_steps=o.warmup_steps, grad_clip=o.grad_clip, weight_decay=o.weight_decay,
+                                  b1=o.b1, b2=o.b2)
+    sampling = sampling_params(cfg, tokenizer)
     learner = Learner(graphdef, loss=cfg.loss.name, loss_options=loss_options, correction=correction, tx=tx,
-                      schedule=schedule, temperature=max(cfg.rollout.temperature, 1e-6), mesh=mesh,
-                      logprob_chunk=st.logprob_chunk)
+                      schedule=schedule, temperature=learner_temperature(sampling), mesh=mesh,
+                      logprob_chunk=st.logprob_chunk, micro_batches=cfg.optim.micro_batches)
     engine = make_engine(cfg, student_path, student_cfg, params, tokenizer)
     # Several learner processes: each scores its own rows, so an in-process teacher lives on its local devices.
     teacher_mesh = mesh if jax.process_count() == 1 else make_mesh((1, -1, 1), jax.local_devices())
     publisher, link = make_publisher(cfg, student_cfg, engine)
-    return Run(cfg=cfg, tokenizer=tokenizer, task=task, student_cfg=student_cfg, graphdef=graphdef, params=params,
-               teacher=make_teacher(cfg, teacher_path, teacher_mesh) if with_teacher else None, engine=engine,
-               learner=learner, mesh=mesh, out_dir=pathlib.Path(cfg.pipeline.out_dir), publisher=publisher,
-               links=[link])
+    parts = OPDParts(engine=engine, teacher=make_teacher(cfg, teacher_path, teacher_mesh) if with_teacher else None,
+                     learner=learner, publisher=publisher, tokenizer=tokenizer, sampling=sampling,
+                     samples_per_prompt=cfg.rollout.samples_per_prompt, teacher_top_k=cfg.teacher.top_k, task=task)
+    return Run(cfg=cfg, parts=parts, student_cfg=student_cfg, graphdef=graphdef, params=params, mesh=mesh,
+               out_dir=pathlib.Path(cfg.pipeline.out_dir), links=[link])
+
+
+def make_evaluator(run: Run) -> Evaluator:
+    """The held-out evaluator of a run: `pipeline.eval_prompts` held-out examples (drawn with seed + 7), sampled by a
+    clean JAX engine (no quantization, noise or staleness), scored by the run's teacher."""
+    cfg, tok = run.cfg, run.tokenizer
+    engine = JaxEngine(run.student_cfg, None, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
+    return Evaluator(engine, run.teacher, tok, Evaluator.held_out(run.task, cfg.pipeline.eval_prompts, cfg.seed + 7),
+                     model_cfg=run.student_cfg, max_new_tokens=cfg.rollout.max_new_tokens, task=run.task)
 
 
 def sampling_params(cfg: TrainConfig, tokenizer, *, temperature: float | None = None) -> SamplingParams:

@@ -1,49 +1,62 @@
-"""Held-out evaluation of the learner's current weights (reverse KL to the teacher, greedy accuracy).
+"""Held-out evaluation of the learner's current weights (reverse KL to the teacher, greedy accuracy) with the engine
+it is given.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Sequence
 
 import numpy as np
 
 from opdjax.data.prompts import encode_prompts
+from opdjax.data.tasks import Example, Task
 from opdjax.learner.distributed import gathered
-from opdjax.models import hf
-from opdjax.pipeline.build import Run, sampling_params
-from opdjax.pipeline.steps import completion_texts
-from opdjax.rollout.jax_engine import JaxEngine
+from opdjax.models import ModelConfig, hf
+from opdjax.pipeline.opd import completion_texts
+from opdjax.rollout import RolloutEngine, SamplingParams
+from opdjax.teacher import Teacher
 
 __all__ = ["Evaluator"]
 
 
 class Evaluator:
-    """Held-out quality of the learner's current weights, measured with a clean (unquantized) JAX engine.
+    """Held-out quality of the learner's weights, sampled by `engine` (give it a clean one: `opdjax train` uses an
+    unquantized `JaxEngine`, so the figure measures the student, not the rollout engine's mismatch).
 
-    reverse_kl: mean over held-out prompts of Σ_t (log S - log T) on the student's own samples (T = 1), an
-    unbiased estimate of the sequence-level KL(S‖T). accuracy: greedy-decoding exact match.
+    reverse_kl: mean over held-out prompts of Σ_t (log S - log T) on the student's own samples at T = 1, an unbiased
+    estimate of the sequence-level KL(S‖T). accuracy: greedy-decoding exact match (`task.grade`; NaN when the task
+    grades nothing). Each call publishes `params` to `engine` as `version` (HF names from `model_cfg`).
     """
 
-    def __init__(self, run: Run):
-        self.run = run
-        self.examples = run.task.examples(run.cfg.pipeline.eval_prompts, run.cfg.seed + 7, "heldout")
-        self.engine = JaxEngine(run.student_cfg, None, pad_id=run.tokenizer.pad_token_id,
-                                eos_id=run.tokenizer.eos_token_id)
+    def __init__(self, engine: RolloutEngine, teacher: Teacher, tokenizer, examples: Sequence[Example], *,
+                 model_cfg: ModelConfig, max_new_tokens: int, task: Task | None = None, seed: int = 12345):
+        self.engine, self.teacher, self.tokenizer, self.task = engine, teacher, tokenizer, task
+        self.examples, self.model_cfg, self.seed = list(examples), model_cfg, seed
+        self.sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0,
+                                       stop_token_ids=(tokenizer.eos_token_id,))
 
     def __call__(self, params, version: int) -> dict[str, float]:
-        run = self.run
-        self.engine.update_weights(hf.named_params(run.student_cfg, gathered(params)), version)
-        prompts = encode_prompts(run.tokenizer, self.examples)
-        sp = sampling_params(run.cfg, run.tokenizer, temperature=1.0)
-        sp = dataclasses.replace(sp, top_k=0, top_p=1.0)
-        sampled = self.engine.generate(prompts, sp, seed=12345)
-        t = run.teacher.score(sampled.tokens_BT, sampled.valid_BT, frozenset({"teacher_logp"})).teacher_logp_BT
+        self.engine.update_weights(hf.named_params(self.model_cfg, gathered(params)), version)
+        prompts = encode_prompts(self.tokenizer, self.examples)
+        sampled = self.engine.generate(prompts, self.sampling, seed=self.seed)
+        t = self.teacher.score(sampled.tokens_BT, sampled.valid_BT, frozenset({"teacher_logp"})).teacher_logp_BT
         m = sampled.completion_mask_BT
         per_seq = ((sampled.rollout_logp_BT - t) * m).sum(1)
-        greedy = self.engine.generate(prompts, dataclasses.replace(sp, temperature=0.0), seed=0)
-        texts = completion_texts(run.tokenizer, greedy)
-        grades = [run.task.grade(ex, txt) for ex, txt in zip(self.examples, texts)]
-        graded = [g for g in grades if g is not None]
-        return {"eval/reverse_kl": float(per_seq.mean()),
-                "eval/accuracy": float(np.mean(graded)) if graded else float("nan"),
+        return {"eval/reverse_kl": float(per_seq.mean()), "eval/accuracy": self._accuracy(prompts),
                 "eval/completion_len": float(m.sum(1).mean())}
+
+    def _accuracy(self, prompts) -> float:
+        if self.task is None:
+            return float("nan")
+        greedy = self.engine.generate(prompts, SamplingParams(max_new_tokens=self.sampling.max_new_tokens,
+                                                              temperature=0.0,
+                                                              stop_token_ids=self.sampling.stop_token_ids), seed=0)
+        grades = [self.task.grade(ex, txt) for ex, txt in zip(self.examples, completion_texts(self.tokenizer, greedy))]
+        graded = [g for g in grades if g is not None]
+        return float(np.mean(graded)) if graded else float("nan")
+
+    @staticmethod
+    def held_out(task: Task, n: int, seed: int) -> list[Example]:
+        """The held-out examples `opdjax train` evaluates on: `n` of the task's held-out split, drawn with `seed`."""
+        return task.examples(n, seed, "heldout")
+

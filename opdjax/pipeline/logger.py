@@ -48,3 +48,9 @@ class MetricsLogger:
             self.f.close()
             if self.tb is not None:
                 self.tb.close()
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

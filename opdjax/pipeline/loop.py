@@ -28,10 +28,9 @@ from opdjax.learner import latest_step, restore_checkpoint, save_checkpoint
 from opdjax.learner.distributed import agree, barrier, gathered, row_share
 from opdjax.models import hf
 from opdjax.pipeline import rundir
-from opdjax.pipeline.build import Run, build
-from opdjax.pipeline.evaluate import Evaluator
+from opdjax.pipeline.build import Run, build, make_evaluator
 from opdjax.pipeline.logger import MetricsLogger
-from opdjax.pipeline.steps import generate, learner_batch, publish
+from opdjax.pipeline.opd import generate, publish, rollout_seed, train_on
 from opdjax.rollout import RolloutBatch
 from opdjax.rollout.base import pad_left
 
@@ -75,7 +74,9 @@ def _sample(run: Run, stream: PromptStream, seed: int) -> _Rollout:
     examples = stream.next(run.cfg.rollout.batch_size)
     a, b = row_share(len(examples))
     t0 = time.time()
-    batch = generate(run, examples[a:b], seed + 1_000_003 * jax.process_index())
+    p = run.parts
+    batch = generate(p.engine, p.tokenizer, examples[a:b], p.sampling, seed=seed + 1_000_003 * jax.process_index(),
+                     samples_per_prompt=p.samples_per_prompt)
     return _Rollout(batch, examples[a:b], stream.position, time.time() - t0)
 
 
@@ -154,126 +155,185 @@ def _finished(out: pathlib.Path, cfg: TrainConfig) -> dict[str, Any] | None:
     return None
 
 
+@dataclasses.dataclass
+class _Progress:
+    """Where a run stands: what a checkpoint records and what the summary reports."""
+
+    step: int = 0
+    dropped: int = 0            # async rollouts dropped as too stale
+    position: int = 0           # prompt-stream position after the last rollout consumed (trained on or dropped)
+    saved: int | None = None    # the newest checkpoint's step (tracked here: processes must agree on it)
+    initial_eval: dict | None = None
+    last_eval: dict | None = None
+
+
 def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
-    cfg = run.cfg
-    pc = cfg.pipeline
+    """Fresh or resumed run directory -> initial evaluation -> the step loop -> final checkpoint, export, summary."""
+    state = run.learner.init(run.params)
+    stream = PromptStream(run.task, seed=run.cfg.seed)
+    log(f"prompts: {stream.size} distinct training prompts per epoch ({run.cfg.task.name}), "
+        f"{run.cfg.pipeline.eval_prompts} held-out prompts per evaluation")
+    _prepare_dir(run)
+    state, prog = _resume(run, state, stream, log)
+    evaluate = make_evaluator(run)
+    zero_grad = ZeroGradWatch(log)
+    with MetricsLogger(run.out_dir, run.cfg.pipeline.tensorboard, resume=run.cfg.pipeline.resume and prog.step > 0
+                       ) as logger:
+        _evaluate_start(run, evaluate, state, prog, logger, log)
+        t_start = time.time()
+        state = _steps(run, state, stream, prog, evaluate, logger, zero_grad)
+    if prog.saved != prog.step:
+        _checkpoint(run, state, prog)
+    final_dir = _export(run, state)
+    return _summary(run, prog, final_dir, time.time() - t_start, zero_grad)
+
+
+def _prepare_dir(run: Run) -> None:
+    """config.json written; a fresh run (pipeline.overwrite=true) removes the old run's results as a whole."""
     run.out_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
-        rundir.write_json(run.out_dir / "config.json", to_dict(cfg))
-    ckpt_dir = run.out_dir / "checkpoints"
-    state = run.learner.init(run.params)
-    stream = PromptStream(run.task, seed=cfg.seed)
-    log(f"prompts: {stream.size} distinct training prompts per epoch ({cfg.task.name}), "
-        f"{cfg.pipeline.eval_prompts} held-out prompts per evaluation")
-    start, dropped, initial_eval = 0, 0, None
-    if not pc.resume and jax.process_index() == 0:  # pipeline.overwrite=true: the old run goes as a whole
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
-        shutil.rmtree(run.out_dir / "student_final", ignore_errors=True)
-        (run.out_dir / "summary.json").unlink(missing_ok=True)
+        rundir.write_json(run.out_dir / "config.json", to_dict(run.cfg))
+        if not run.cfg.pipeline.resume:
+            shutil.rmtree(run.out_dir / "checkpoints", ignore_errors=True)
+            shutil.rmtree(run.out_dir / "student_final", ignore_errors=True)
+            (run.out_dir / "summary.json").unlink(missing_ok=True)
     barrier("opdjax-fresh-run-dir")
-    saved = None  # the step of the newest checkpoint (tracked here, not re-read: processes must agree on it)
-    if pc.resume and agree(latest_step(ckpt_dir) is not None):
-        state, extra = restore_checkpoint(ckpt_dir, state)
-        start, dropped = int(extra["step"]), int(extra["dropped"])
-        saved = start
-        stream.position = int(extra["stream_position"])
-        initial_eval = extra.get("initial_eval")
-        publish(run, state.params, start)
-        if jax.process_index() == 0:  # steps after the checkpoint were lost with the run: log each step once
-            rundir.truncate_metrics(run.out_dir / "metrics.jsonl", start)
-        log(f"resumed from {ckpt_dir} at step {start} (stream position {stream.position})")
-    logger = MetricsLogger(run.out_dir, pc.tensorboard, resume=pc.resume and start > 0)
-    evaluate = Evaluator(run)
-    if initial_eval is None:
-        initial_eval = evaluate(state.params, start)
-        logger.log(start, initial_eval)
-        log(f"step {start}: held-out reverse KL {initial_eval['eval/reverse_kl']:.3f}, "
-            f"accuracy {initial_eval['eval/accuracy']:.3f}")
+
+
+def _resume(run: Run, state, stream: PromptStream, log) -> tuple[Any, _Progress]:
+    """The state and progress of the newest checkpoint (pipeline.resume=true), its weights republished; metrics
+    after it truncated (those steps are run again and logged once). A fresh start otherwise."""
+    ckpt_dir = run.out_dir / "checkpoints"
+    prog = _Progress(position=stream.position)
+    if not (run.cfg.pipeline.resume and agree(latest_step(ckpt_dir) is not None)):
+        return state, prog
+    state, extra = restore_checkpoint(ckpt_dir, state)
+    prog = _Progress(step=int(extra["step"]), dropped=int(extra["dropped"]), position=int(extra["stream_position"]),
+                     saved=int(extra["step"]), initial_eval=extra.get("initial_eval"))
+    stream.position = prog.position
+    publish(run.parts, state.params, prog.step)
+    if jax.process_index() == 0:
+        rundir.truncate_metrics(run.out_dir / "metrics.jsonl", prog.step)
+    log(f"resumed from {ckpt_dir} at step {prog.step} (stream position {stream.position})")
+    return state, prog
+
+
+def _evaluate_start(run: Run, evaluate, state, prog: _Progress, logger: MetricsLogger, log) -> None:
+    """The initial evaluation (kept from the checkpoint when resuming); a run resumed at its last step (killed while
+    writing its results) evaluates the final weights again."""
+    if prog.initial_eval is None:
+        prog.initial_eval = evaluate(state.params, prog.step)
+        logger.log(prog.step, prog.initial_eval)
+        what = f"step {prog.step}"
     else:
-        log(f"initial (step 0): held-out reverse KL {initial_eval['eval/reverse_kl']:.3f}, "
-            f"accuracy {initial_eval['eval/accuracy']:.3f}")
+        what = "initial (step 0)"
+    log(f"{what}: held-out reverse KL {prog.initial_eval['eval/reverse_kl']:.3f}, "
+        f"accuracy {prog.initial_eval['eval/accuracy']:.3f}")
+    steps = run.cfg.pipeline.steps
+    prog.last_eval = evaluate(state.params, prog.step) if prog.step >= steps > 0 else prog.initial_eval
 
-    def checkpoint(step):
-        nonlocal saved
-        saved = step
-        save_checkpoint(ckpt_dir, state, {"step": step, "stream_position": consumed_position, "dropped": dropped,
-                                          "initial_eval": initial_eval})
 
-    bar = None
-    if pc.progress and jax.process_index() == 0:
-        bar = tqdm(total=pc.steps, initial=start, desc="opd", dynamic_ncols=True)
+def _checkpoint(run: Run, state, prog: _Progress) -> None:
+    prog.saved = prog.step
+    save_checkpoint(run.out_dir / "checkpoints", state, {
+        "step": prog.step, "stream_position": prog.position, "dropped": prog.dropped,
+        "initial_eval": prog.initial_eval})
+
+
+def _next_rollout(run: Run, stream, worker, q, prog: _Progress) -> _Rollout | None:
+    """The next rollout to train on: sampled now (sync) or taken from the worker's queue (async; None when it was
+    more than `max_staleness` versions old, counted as dropped). Its staleness is in `meta["staleness"]`."""
+    if worker is None:
+        item = _sample(run, stream, rollout_seed(run.cfg.seed, prog.step))
+    else:
+        item = _get(q, worker)
+    staleness = agree(prog.step - int(item.batch.version_B.min()))  # one decision on every process
+    if worker is not None and staleness > run.cfg.pipeline.max_staleness:
+        prog.dropped += 1
+        prog.position = item.stream_end
+        return None
+    item.batch.meta["staleness"] = staleness
+    return item
+
+
+def _steps(run: Run, state, stream: PromptStream, prog: _Progress, evaluate, logger: MetricsLogger, zero_grad
+           ) -> Any:
+    """The step loop: rollout -> `train_on` -> `publish`, evaluations, checkpoints, metrics, the progress bar."""
+    pc = run.cfg.pipeline
+    bar = tqdm(total=pc.steps, initial=prog.step, desc="opd", dynamic_ncols=True) \
+        if pc.progress and jax.process_index() == 0 else None
     q: queue.Queue = queue.Queue(maxsize=pc.queue_size)
-    worker = None
-    if pc.mode == "async":
-        worker = _Worker(run, stream, q, first_seed=cfg.seed * 100_003 + start * 7919)
+    worker = _Worker(run, stream, q, first_seed=rollout_seed(run.cfg.seed, prog.step)) \
+        if pc.mode == "async" else None
+    if worker is not None:
         worker.start()
-    consumed_position = stream.position
-    # Resumed at the last step (killed while writing the final results): evaluate the final weights again.
-    last_eval = evaluate(state.params, start) if start >= pc.steps > 0 else initial_eval
-    t_start = time.time()
-    step, zero_grad = start, ZeroGradWatch(log)
+    prog.position = stream.position
     try:
-        while step < pc.steps:
-            t0 = time.time()
-            if worker is None:
-                item = _sample(run, stream, cfg.seed * 100_003 + step * 7919)
-            else:
-                item = _get(q, worker)
-            staleness = agree(step - int(item.batch.version_B.min()))  # one decision on every process
-            if worker is not None and staleness > pc.max_staleness:
-                dropped += 1
-                consumed_position = item.stream_end
-                continue
-            t1 = time.time()
-            batch = pad_left(item.batch, agree(item.batch.tokens_BT.shape[1]), run.tokenizer.pad_token_id)
-            lb = learner_batch(run, batch, item.examples)
-            t2 = time.time()
-            state, m = run.learner.train_step(state, lb)
-            jax.block_until_ready(state.params)
-            t3 = time.time()
-            step += 1
-            consumed_position = item.stream_end
-            publish(run, state.params, step)
-            t4 = time.time()
-            m.update({"staleness": staleness, "dropped": dropped, "time/generate": item.gen_seconds,
-                      "time/wait": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/publish": t4 - t3,
-                      "completion_len": float(item.batch.completion_mask_BT.sum(1).mean())})
-            if pc.eval_every and step % pc.eval_every == 0 or step == pc.steps:
-                last_eval = evaluate(state.params, step)
-                m.update(last_eval)
-            logger.log(step, m)
-            zero_grad.update(step, float(m.get("grad_norm", 1.0)))
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{m['loss']:.3f}", teacher_kl=f"{m.get('teacher_kl', float('nan')):.3f}",
-                                k3=f"{m['mismatch/k3']:.2e}", acc=f"{last_eval['eval/accuracy']:.2f}")
-            if pc.checkpoint_every and step % pc.checkpoint_every == 0 and step < pc.steps:
-                checkpoint(step)
+        while prog.step < pc.steps:
+            state = _one_step(run, state, stream, worker, q, prog, evaluate, logger, bar, zero_grad)
     finally:
         if worker is not None:
             worker.stop.set()
             worker.join(timeout=30)
         if bar is not None:
             bar.close()
-        logger.close()
-    if saved != step:
-        checkpoint(step)
+    return state
+
+
+def _one_step(run: Run, state, stream, worker, q, prog: _Progress, evaluate, logger, bar, zero_grad):
+    pc = run.cfg.pipeline
+    t0 = time.time()
+    item = _next_rollout(run, stream, worker, q, prog)
+    if item is None:
+        return state
+    t1 = time.time()
+    batch = pad_left(item.batch, agree(item.batch.tokens_BT.shape[1]), run.tokenizer.pad_token_id)
+    state, m = train_on(run.parts, state, batch, item.examples)
+    prog.step += 1
+    prog.position = item.stream_end
+    t2 = time.time()
+    publish(run.parts, state.params, prog.step)
+    m.update({"staleness": item.batch.meta["staleness"], "dropped": prog.dropped, "time/generate": item.gen_seconds,
+              "time/wait": t1 - t0, "time/publish": time.time() - t2})
+    if pc.eval_every and prog.step % pc.eval_every == 0 or prog.step == pc.steps:
+        prog.last_eval = evaluate(state.params, prog.step)
+        m.update(prog.last_eval)
+    logger.log(prog.step, m)
+    zero_grad.update(prog.step, float(m.get("grad_norm", 1.0)))
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{m['loss']:.3f}", teacher_kl=f"{m.get('teacher_kl', float('nan')):.3f}",
+                        k3=f"{m.get('mismatch/k3', float('nan')):.2e}", acc=f"{prog.last_eval['eval/accuracy']:.2f}")
+    if pc.checkpoint_every and prog.step % pc.checkpoint_every == 0 and prog.step < pc.steps:
+        _checkpoint(run, state, prog)
+    return state
+
+
+def _export(run: Run, state) -> pathlib.Path:
+    """The final student as a Hugging Face directory (written next to it, then renamed: a kill leaves the old export
+    or the new one)."""
     final_dir = run.out_dir / "student_final"
     final_params = gathered(state.params)  # every process takes part in the gather
-    if jax.process_index() == 0:  # written next to it, then renamed: a kill leaves the old export or the new one
+    if jax.process_index() == 0:
         tmp = run.out_dir / ".student_final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         hf.save_model(tmp, run.student_cfg, final_params)
         run.tokenizer.save_pretrained(tmp)
         shutil.rmtree(final_dir, ignore_errors=True)
         tmp.rename(final_dir)
+    return final_dir
+
+
+def _summary(run: Run, prog: _Progress, final_dir: pathlib.Path, seconds: float, zero_grad) -> dict[str, Any]:
+    """summary.json: steps, initial and final evaluation, their reverse-KL ratio, server outages."""
+    i, f = prog.initial_eval, prog.last_eval
     summary = {
-        "steps": step, "mode": pc.mode, "dropped_rollouts": dropped, "seconds": time.time() - t_start,
-        "initial": initial_eval, "final": last_eval, "student_final": str(final_dir),
-        "reverse_kl_ratio": last_eval["eval/reverse_kl"] / max(initial_eval["eval/reverse_kl"], 1e-9),
+        "steps": prog.step, "mode": run.cfg.pipeline.mode, "dropped_rollouts": prog.dropped, "seconds": seconds,
+        "initial": i, "final": f, "student_final": str(final_dir),
+        "reverse_kl_ratio": f["eval/reverse_kl"] / max(i["eval/reverse_kl"], 1e-9),
         "zero_grad_steps": zero_grad.total,
     }
-    outages = [*getattr(run.engine, "outages", ()), *getattr(run.teacher, "outages", ())]
+    outages = [*run.engine.outages, *getattr(run.teacher, "outages", ())]
     if outages:  # remote servers that went down (and came back) during the run
         summary["server_outages"] = outages
     if jax.process_index() == 0:

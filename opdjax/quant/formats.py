@@ -107,18 +107,21 @@ class RecipeError(InputError):
     """A quantization format, granularity, recipe name or recipe field that does not exist or does not fit."""
 
 
-def _format(fmt: str) -> QFormat:
+def get_format(fmt: str) -> QFormat:
+    """The `QFormat` named `fmt` ("e4m3", "e5m2", "int8"); RecipeError listing the valid ones otherwise."""
     if fmt not in FORMATS:
         raise RecipeError(f"unknown quantization format {fmt!r}; valid formats: {sorted(FORMATS)}")
     return FORMATS[fmt]
 
 
-def _check_granularity(granularity: str) -> None:
+def check_granularity(granularity: str) -> None:
+    """RecipeError unless `granularity` is one of GRANULARITIES."""
     if granularity not in GRANULARITIES:
         raise RecipeError(f"unknown granularity {granularity!r}; valid granularities: {list(GRANULARITIES)}")
 
 
-def _check_block(block: Sequence[int]) -> tuple[int, int]:
+def check_block(block: Sequence[int]) -> tuple[int, int]:
+    """`block` as (rows, cols) of positive ints; RecipeError otherwise."""
     block = tuple(block)
     if len(block) != 2 or not all(isinstance(b, (int, np.integer)) and b >= 1 for b in block):
         raise RecipeError(f"block must be two positive ints (rows, cols), got {block!r}")
@@ -236,9 +239,9 @@ def _qdq_jit(x, scale, fmt, granularity, block, axis, channel_axis, ste):
 
 
 def _check_args(x: Array, fmt: str, granularity: str, block: Sequence[int], scale: Any):
-    f = _format(fmt)
-    _check_granularity(granularity)
-    block = _check_block(block)
+    f = get_format(fmt)
+    check_granularity(granularity)
+    block = check_block(block)
     if granularity == "block" and x.ndim < 2:
         raise RecipeError(f"block granularity needs an array of rank >= 2, got shape {x.shape}")
     if x.ndim == 0 and granularity != "tensor":
@@ -273,7 +276,7 @@ def dequantize(q: Array, scale: Array, dtype: Any = jnp.float32, *, block: Seque
     broadcast, so `block` may be passed for any granularity.
     """
     return _dequantize_jit(q, jnp.asarray(scale, jnp.float32), dtype=jnp.dtype(dtype),
-                           block=None if block is None else _check_block(block))
+                           block=None if block is None else check_block(block))
 
 
 def qdq(x: Array, fmt: str, granularity: str = "tensor", *, block: Sequence[int] = (128, 128), axis: int = -1,

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opdjax.quant.formats import AMAX_EPS, RecipeError, _format, qdq
-from opdjax.quant.recipes import QSpec, Recipe, _spec_kwargs, as_recipe, module_spec, weight_spec
+from opdjax.quant.formats import AMAX_EPS, RecipeError, get_format, qdq
+from opdjax.quant.recipes import QSpec, Recipe, as_recipe, module_spec, qdq_kwargs, weight_spec
 
 Array = jax.Array
 
@@ -61,7 +61,7 @@ class ForwardQuant:
         spec = weight_spec(self.recipe, module + ".weight", np.ndim(w_IO))
         if spec is None:
             return w_IO
-        return qdq(w_IO, spec.fmt, spec.granularity, ste=self.ste, **_spec_kwargs(spec))
+        return qdq(w_IO, spec.fmt, spec.granularity, ste=self.ste, **qdq_kwargs(spec))
 
     def kv(self, layer: int | Array, kind: str, x_BTKH: Array) -> Array:
         """qdq of keys or values [B, T, K, H] with recipe.kv_cache.
@@ -128,7 +128,7 @@ def _changed_fraction(spec: QSpec | Recipe, dtype_name: str, backend: str) -> fl
         fn = lambda a: hooks.kv(0, "k", a)  # noqa: E731
     else:
         x = x.reshape(32, 128)
-        fn = lambda a: qdq(a, spec.fmt, spec.granularity, **_spec_kwargs(spec))  # noqa: E731
+        fn = lambda a: qdq(a, spec.fmt, spec.granularity, **qdq_kwargs(spec))  # noqa: E731
     y = jax.jit(fn)(x).astype(jnp.float32)
     x = x.astype(jnp.float32)
     return float(jnp.mean((jnp.abs(y - x) > EFFECTIVE_REL_CHANGE * jnp.abs(x)).astype(jnp.float32)))
@@ -174,7 +174,7 @@ def calibrate_kv_scales(amax_per_layer: Any, fmt: str = "e4m3") -> tuple:
     amax_per_layer: one amax per layer (shared by K and V) -> tuple of floats, or [L, 2] (k_amax, v_amax) ->
     tuple of (k_scale, v_scale) pairs. The result goes into `Recipe(kv_scales=...)`.
     """
-    f = _format(fmt)
+    f = get_format(fmt)
     a = np.asarray(amax_per_layer, np.float64)
     if a.ndim not in (1, 2) or (a.ndim == 2 and a.shape[1] != 2):
         raise ValueError(f"amax_per_layer must have shape [L] or [L, 2] (k, v), got {a.shape}")

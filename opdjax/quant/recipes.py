@@ -20,9 +20,9 @@ from opdjax.quant.formats import (
     AMAX_EPS,
     KV_GRANULARITIES,
     RecipeError,
-    _check_block,
-    _check_granularity,
-    _format,
+    check_block,
+    check_granularity,
+    get_format,
     dequantize,
     qdq,
     quantize,
@@ -43,9 +43,9 @@ class QSpec:
     block: tuple[int, int] = (128, 128)
 
     def __post_init__(self):
-        _format(self.fmt)
-        _check_granularity(self.granularity)
-        object.__setattr__(self, "block", _check_block(self.block))
+        get_format(self.fmt)
+        check_granularity(self.granularity)
+        object.__setattr__(self, "block", check_block(self.block))
 
     @classmethod
     def from_dict(cls, d: Any, *, where: str = "spec") -> "QSpec | None":
@@ -317,7 +317,9 @@ def as_recipe(spec: "str | pathlib.Path | Mapping[str, Any] | Recipe | None") ->
 # Applying a recipe to named weights (opdjax layout: linear kernels [in, out])
 # ----------------------------------------------------------------------------------------------------------------------
 
-def _spec_kwargs(spec: QSpec) -> dict[str, Any]:
+def qdq_kwargs(spec: QSpec) -> dict[str, Any]:
+    """The keyword arguments `qdq(x, spec.fmt, spec.granularity, **qdq_kwargs(spec))` takes for a weight of the
+    opdjax layout (kernel [in, out]: channels on the last axis)."""
     return {"block": spec.block, "channel_axis": -1}
 
 
@@ -351,7 +353,7 @@ def shared_scale(recipe: Recipe, name: str, get: Any, memo: dict | None = None) 
     specs = {weight_spec(recipe, n, 2) for n in shards}
     if len(specs) != 1 or None in specs or next(iter(specs)).granularity != "tensor":
         return None
-    fmt = _format(next(iter(specs)).fmt)
+    fmt = get_format(next(iter(specs)).fmt)
     amax = max(jnp.max(jnp.abs(jnp.asarray(get(n), jnp.float32))) for n in shards)
     scale = jnp.maximum(amax, AMAX_EPS) * np.float32(1.0 / fmt.max_value)
     if memo is not None:
@@ -361,7 +363,7 @@ def shared_scale(recipe: Recipe, name: str, get: Any, memo: dict | None = None) 
 
 def _weight_quant_kwargs(recipe: Recipe, name: str, named: Mapping[str, Array], spec: QSpec,
                          memo: dict) -> dict[str, Any]:
-    return {**_spec_kwargs(spec), "scale": shared_scale(recipe, name, named.__getitem__, memo)}
+    return {**qdq_kwargs(spec), "scale": shared_scale(recipe, name, named.__getitem__, memo)}
 
 
 def apply_to_named(recipe: Recipe, named: Mapping[str, Array]) -> dict[str, Array]:

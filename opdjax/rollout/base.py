@@ -107,9 +107,25 @@ def pad_left(batch: RolloutBatch, T: int, pad_id: int) -> RolloutBatch:
 
 
 class RolloutEngine(Protocol):
-    """What the pipeline needs from a sampler: generate, take new weights, score given tokens."""
+    """What OPD needs from a sampler (`JaxEngine`, `VllmEngine`, `remote.RemoteEngine` implement it).
 
-    version: int
+    Weights arrive either directly (`update_weights`, HF names and layout) or through the weight bridge: a
+    `sync.Publisher` sends a versioned manifest to the engine's `receiver`, which validates it completely and then
+    applies it all or nothing. `version` is the version being served (-1 before any weights); every row of a
+    `RolloutBatch` carries the version it was sampled with.
+    """
+
+    @property
+    def version(self) -> int:
+        """The weight version being served."""
+
+    @property
+    def receiver(self) -> Any:
+        """The bridge's engine side (`sync.WeightReceiver`) a publisher's link feeds."""
+
+    @property
+    def outages(self) -> list[dict[str, Any]]:
+        """Down/up events of the servers behind the engine (empty for an in-process engine)."""
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> RolloutBatch:
         """Sample one completion per prompt."""
@@ -117,5 +133,10 @@ class RolloutEngine(Protocol):
     def update_weights(self, named_arrays: Mapping[str, Any], version: int) -> None:
         """Atomically replace the served weights (HF names -> arrays); on any error keep the old ones."""
 
-    def score(self, tokens_BT: np.ndarray, valid_BT: np.ndarray, *, temperature: float = 1.0, top_k: int = 0):
-        """Log-prob of each given token under the served weights (and top-k ids/log-probs when top_k > 0)."""
+    def mark_published(self, version: int) -> None:
+        """Another learner process published `version` through the bridge (a no-op for in-process engines)."""
+
+    def score(self, tokens_BT: np.ndarray, valid_BT: np.ndarray, *, temperature: float = 1.0,
+              top_k: int = 0) -> dict[str, Any]:
+        """Log-probs of the given tokens under the served weights: {"logp_BT", "version"} (+ "topk_ids_BTK",
+        "topk_logp_BTK" when top_k > 0); position l scores tokens[:, l] from logits[:, l-1] / temperature."""

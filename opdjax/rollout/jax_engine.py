@@ -251,9 +251,10 @@ def _generate_jit(params, tokens_BP, valid_BP, seed, temperature, *, cfg, graphd
     return out_tok, out_lp, out_mask, steps
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hooks", "temperature", "top_k", "merge"))
-def _score_jit(params, tokens_BT, valid_BT, *, graphdef, hooks, temperature, top_k, merge):
-    """Full forward; log-prob of tokens[:, l] from logits[:, l-1] / T where both positions are valid (else 0)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "hooks", "temperature", "top_k", "merge", "full"))
+def _score_jit(params, tokens_BT, valid_BT, *, graphdef, hooks, temperature, top_k, merge, full):
+    """Full forward; log-prob of tokens[:, l] from logits[:, l-1] / T where both positions are valid (else 0);
+    `full` adds logits_BTV, the shifted logits / T (zeros at l = 0)."""
     model = nnx.merge(graphdef, params)
     merged = decoder.merge_projections(model, hooks) if merge else None
     logits_BTV, _ = model(tokens_BT, valid_BT=valid_BT, quant=hooks, merged=merged)
@@ -263,6 +264,9 @@ def _score_jit(params, tokens_BT, valid_BT, *, graphdef, hooks, temperature, top
     if top_k > 0:
         out["topk_logp_BTK"] = jnp.where(scored[..., None], s["topk_logp_BTK"], 0.0)
         out["topk_ids_BTK"] = jnp.where(scored[..., None], s["topk_ids_BTK"], 0)
+    if full:
+        out["logits_BTV"] = jnp.pad(logits_BTV[:, :-1].astype(jnp.float32) / jnp.float32(temperature),
+                                    ((0, 0), (1, 0), (0, 0)))
     return out
 
 
@@ -401,6 +405,14 @@ class JaxEngine:
         """The bridge's engine side for this engine: a publish is validated against the model, then applied."""
         return WeightReceiver(self, ModelSpec.from_config(self.cfg, self.dtype), name="jax engine")
 
+    def mark_published(self, version: int) -> None:
+        """In-process engine: a publish is applied before `update_weights` returns, so there is nothing to record."""
+
+    @property
+    def outages(self) -> list[dict]:
+        """In-process engine: never down (remote engines list their servers' down/up events)."""
+        return []
+
     def apply_weights(self, named, version: int) -> None:
         """Receiver target: (HF name, HF-layout array) pairs -> `update_weights` (the arrays are copied)."""
         self.update_weights(dict(named), version)
@@ -524,13 +536,14 @@ class JaxEngine:
 
     # -- scoring -------------------------------------------------------------------------------------------------
     def score(self, tokens_BT: np.ndarray, valid_BT: np.ndarray, *, temperature: float = 1.0,
-              top_k: int = 0) -> dict[str, Any]:
+              top_k: int = 0, full_logits: bool = False) -> dict[str, Any]:
         """Log-probs of given tokens under the served weights and hooks, with logits / temperature.
 
         logp_BT[b, l] = log softmax(logits[b, l-1] / T)[tokens[b, l]] where valid[b, l] and valid[b, l-1], else 0
         (no truncation: top-k/top-p of a sampling run are not applied). top_k > 0 adds topk_ids_BTK / topk_logp_BTK,
         the k most likely tokens of the same distribution (the one predicting position l; zeros where logp_BT is
-        unscored). Also returns the served `version`.
+        unscored). full_logits adds logits_BTV, the shifted logits / T (zeros at l = 0). Also returns the served
+        `version`. One scoring path: `teacher.JaxTeacher` scores through this method.
         """
         if not temperature > 0:
             raise ValueError(f"score: temperature must be > 0, got {temperature}")
@@ -549,7 +562,8 @@ class JaxEngine:
         val[:n, :L] = valid_BT
         tok_d, val_d = self._put(tok, val)
         out = _score_jit(params, tok_d, val_d, graphdef=self.graphdef, hooks=self.hooks,
-                         temperature=float(temperature), top_k=int(top_k), merge=self.merge_projections)
+                         temperature=float(temperature), top_k=int(top_k), merge=self.merge_projections,
+                         full=bool(full_logits))
         res: dict[str, Any] = {k: np.asarray(v)[:n, :L] for k, v in out.items()}
         res["version"] = version
         return res

@@ -275,6 +275,14 @@ class VllmEngine:
                                        f"expected {self.spec.shapes[n]}")
         self._publisher.publish(named_arrays, int(version))
 
+    def mark_published(self, version: int) -> None:
+        """In-process engine: a publish is applied before `update_weights` returns, so there is nothing to record."""
+
+    @property
+    def outages(self) -> list[dict]:
+        """In-process engine: never down (remote engines list their servers' down/up events)."""
+        return []
+
     def apply_weights(self, named: Iterable[tuple[str, Any]], version: int) -> None:
         """Receiver target: load validated HF-named tensors with reload_weights, reset the prefix cache, tag.
 

@@ -9,7 +9,7 @@ token. `open_link(sync.transport, receiver)` pairs a transport with its engine-s
 See each module's docstring.
 """
 
-from opdjax.sync.links import TRANSPORTS, Link, open_link
+from opdjax.sync.links import TRANSPORTS, Link, engine_publisher, open_link
 from opdjax.sync.manifest import BridgeError, Manifest, ModelSpec, TensorEntry, build_manifest, validate
 from opdjax.sync.publisher import Publisher, hf_stream, prepare
 from opdjax.sync.receiver import ArrayTarget, WeightReceiver, payload_views
@@ -25,6 +25,6 @@ from opdjax.sync.transports import (
 __all__ = ["TRANSPORTS", "ArrayTarget", "BridgeError", "InProcessTransport", "Link", "Manifest", "ModelSpec",
            "Publisher",
            "SnapshotTransport", "SnapshotWatcher", "TcpReceiverServer", "TcpTransport", "TensorEntry",
-           "WeightReceiver", "build_manifest", "default_snapshot_root", "hf_stream", "open_link", "payload_views",
+           "WeightReceiver", "build_manifest", "default_snapshot_root", "engine_publisher", "hf_stream", "open_link", "payload_views",
            "prepare",
            "snapshot_payload", "validate"]

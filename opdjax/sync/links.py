@@ -20,7 +20,8 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from opdjax.sync.manifest import BridgeError, Manifest
+from opdjax.sync.manifest import BridgeError, Manifest, np_dtype
+from opdjax.sync.publisher import Publisher
 from opdjax.sync.receiver import WeightReceiver
 from opdjax.sync.tcp import TcpReceiverServer, TcpTransport
 from opdjax.sync.transports import (
@@ -87,3 +88,16 @@ def open_link(kind: str, receiver: WeightReceiver, *, root: str | pathlib.Path |
         server = TcpReceiverServer(receiver, token, timeout=timeout).start()
         return Link(kind, TcpTransport(server.host, server.port, token, timeout=timeout), server=server)
     raise ValueError(f"sync.transport={kind!r}: valid transports are {', '.join(TRANSPORTS)}")
+
+
+def engine_publisher(engine, cfg, *, transport: str = "inproc", root: str | pathlib.Path | None = None,
+                     timeout: float = 60.0):
+    """(Publisher, Link) feeding `engine` the learner's params as HF-named tensors in the engine's dtype. An engine in
+    this process (one with a `receiver`) is fed through a new link of kind `transport`; a remote engine (one with its
+    own `link` to its servers' bridges, `remote.RemoteEngine`) through that link, by process 0 only. Close the link
+    when done."""
+    if getattr(engine, "link", None) is not None:
+        return Publisher(cfg, engine.link, dtype=np_dtype(engine.spec.dtype)), engine.link
+    receiver = engine.receiver
+    link = open_link(transport, receiver, root=root, timeout=timeout)
+    return Publisher(cfg, link, dtype=np_dtype(receiver.spec.dtype), every_process=True), link

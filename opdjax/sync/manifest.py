@@ -4,8 +4,9 @@ A publish of version v is a manifest plus one payload: the tensors' bytes, back 
 (layer order, HF names and HF layout: Linear weights [out, in]). Each entry names its tensor, shape, dtype
 (safetensors dtype names: "F32", "BF16", "F8_E4M3", ...), byte offset and size in the payload and a CRC-32 of its
 bytes (None when the transport cannot corrupt or truncate, i.e. in-process). CRC-32 is zlib's; the bridge computes
-it with the system's libdeflate where there is one (PCLMULQDQ, several times faster, the same values;
-OPDJAX_BRIDGE_CRC=zlib forces zlib) and spreads big lists over a few threads (`checksum_many`).
+it with the system's libdeflate where there is one (PCLMULQDQ, several times faster, the same values) and spreads
+big lists over a few threads (`checksum_many`); `set_checksum_options(backend="zlib", threads=...)` forces zlib or
+fixes the thread count for the whole process.
 
 Pre-quantized FP8 weights (made by `opdjax.quant.quantize_named`, the same quantizer the simulation uses) travel
 as two entries: the weight `<module>.weight` in the FP8 storage dtype with `quant = {fmt, granularity, block}`
@@ -74,12 +75,51 @@ def _u8(buf: Any) -> Any:
     return buf
 
 
+CRC_BACKENDS = ("auto", "zlib", "libdeflate")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChecksumOptions:
+    """How the bridge computes CRC-32s, process-wide (`set_checksum_options`).
+
+    backend: "auto" (libdeflate where the system has it, else zlib), "zlib", or "libdeflate" (required).
+    threads: threads `checksum_many` uses; None = the CPUs this process may run on, at most 8.
+    """
+
+    backend: str = "auto"
+    threads: int | None = None
+
+
+_options = ChecksumOptions()
+
+
+def checksum_options() -> ChecksumOptions:
+    """The CRC-32 options in effect."""
+    return _options
+
+
+def set_checksum_options(backend: str = "auto", threads: int | None = None) -> ChecksumOptions:
+    """Set how this process computes bridge CRC-32s (`ChecksumOptions`; an argument left out takes its default);
+    returns the previous options, so `set_checksum_options(**dataclasses.asdict(old))` restores them.
+
+    ValueError for an unknown backend, threads < 1, or backend="libdeflate" where the system has none.
+    """
+    global _options
+    if backend not in CRC_BACKENDS:
+        raise ValueError(f"unknown CRC-32 backend {backend!r}; valid: {list(CRC_BACKENDS)}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, (int, np.integer))
+                                or threads < 1):
+        raise ValueError(f"checksum threads must be a positive int or None, got {threads!r}")
+    if backend == "libdeflate" and _libdeflate_crc32() is None:
+        raise ValueError("CRC-32 backend 'libdeflate' requested, but this system has no usable libdeflate")
+    old, _options = _options, ChecksumOptions(backend=backend, threads=None if threads is None else int(threads))
+    return old
+
+
 @functools.cache
 def _libdeflate_crc32():
     """libdeflate's CRC-32 (PCLMULQDQ-accelerated; the same function as zlib.crc32), or None where the system has
-    no libdeflate, or OPDJAX_BRIDGE_CRC=zlib. Checked against zlib before use; ctypes releases the GIL."""
-    if os.environ.get("OPDJAX_BRIDGE_CRC", "").lower() == "zlib":
-        return None
+    no libdeflate. Checked against zlib before use; ctypes releases the GIL."""
     for name in ("libdeflate.so.0", ctypes.util.find_library("deflate")):
         try:
             fn = ctypes.CDLL(name).libdeflate_crc32 if name else None
@@ -96,17 +136,23 @@ def _libdeflate_crc32():
     return fn
 
 
+def _fast_crc32():
+    """The libdeflate CRC-32 to use under the current options, or None for zlib."""
+    return None if _options.backend == "zlib" else _libdeflate_crc32()
+
+
 def crc32_impl() -> str:
     """Which CRC-32 implementation the bridge uses: "libdeflate" or "zlib"."""
-    return "zlib" if _libdeflate_crc32() is None else "libdeflate"
+    return "zlib" if _fast_crc32() is None else "libdeflate"
 
 
 _FAST_MIN = 16 << 10  # below this, zlib's call overhead is the smaller one
 
 
 def crc32(buf: Any, value: int = 0) -> int:
-    """zlib.crc32(buf, value) of a contiguous buffer, through libdeflate when the system has it (same values)."""
-    fn = _libdeflate_crc32()
+    """zlib.crc32(buf, value) of a contiguous buffer, through libdeflate when the system has it and the options allow
+    it (same values)."""
+    fn = _fast_crc32()
     if fn is not None:
         a = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
         if a.nbytes >= _FAST_MIN and a.flags.c_contiguous:
@@ -167,10 +213,10 @@ _pool_lock = threading.Lock()
 
 
 def checksum_threads() -> int:
-    """Threads `checksum_many` uses: OPDJAX_BRIDGE_CRC_THREADS, else the CPUs this process may run on (at most 8)."""
-    env = os.environ.get("OPDJAX_BRIDGE_CRC_THREADS")
-    if env:
-        return max(1, int(env))
+    """Threads `checksum_many` uses: `checksum_options().threads`, else the CPUs this process may run on (at most
+    8)."""
+    if _options.threads is not None:
+        return _options.threads
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -358,6 +404,27 @@ def validate(manifest: Manifest, spec: ModelSpec, *, served_version: int | None 
     problems: list[str] = []
     if manifest.model_type != spec.model_type:
         problems.append(f"model_type {manifest.model_type!r} but the engine serves {spec.model_type!r}")
+    seen = _layout_problems(manifest, problems)
+    scales = {e.scale_of: e for e in manifest.entries if e.scale_of is not None}
+    for e in manifest.entries:
+        if e.scale_of is not None:
+            problems += _scale_entry_problems(e, seen)
+        elif e.name not in spec.shapes:
+            problems.append(f"unknown tensor {e.name!r}")
+        else:
+            problems += _tensor_problems(e, spec, scales.get(e.name))
+    missing = [n for n in spec.shapes if n not in seen]
+    if missing:
+        problems.append(f"missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if problems:
+        keeps = "" if served_version is None else f"; engine keeps serving v{served_version}"
+        shown = "; ".join(problems[:8]) + (f"; ... ({len(problems) - 8} more)" if len(problems) > 8 else "")
+        raise BridgeError(f"manifest v{manifest.version} rejected: {shown}{keeps}")
+
+
+def _layout_problems(manifest: Manifest, problems: list[str]) -> dict[str, TensorEntry]:
+    """Append to `problems` every duplicate name, unknown dtype, nbytes != numel * itemsize, and entry that does
+    not start where the previous one ended (entries tile the payload in order); returns name -> entry."""
     seen: dict[str, TensorEntry] = {}
     offset = 0
     for e in manifest.entries:
@@ -373,51 +440,49 @@ def validate(manifest: Manifest, spec: ModelSpec, *, served_version: int | None 
             problems.append(f"tensor {e.name!r} starts at byte {e.offset}, expected {offset} (entries must tile "
                             f"the payload in order)")
         offset = e.offset + e.nbytes
-    scales = {e.scale_of: e for e in manifest.entries if e.scale_of is not None}
-    for e in manifest.entries:
-        if e.scale_of is not None:
-            w = seen.get(e.scale_of)
-            if w is None or w.quant is None:
-                problems.append(f"scale {e.name!r} belongs to {e.scale_of!r}, which is not a quantized weight "
-                                f"of this manifest")
-            elif e.name != e.scale_of + "_scale":
-                problems.append(f"scale {e.name!r} of {e.scale_of!r} must be named {e.scale_of + '_scale'!r}")
-            continue
-        if e.name not in spec.shapes:
-            problems.append(f"unknown tensor {e.name!r}")
-            continue
-        want = spec.shapes[e.name]
-        if tuple(e.shape) != tuple(want):
-            problems.append(f"tensor {e.name!r} has shape {tuple(e.shape)}, expected {tuple(want)}")
-        if e.quant is None:
-            if e.dtype != spec.dtype:
-                problems.append(f"tensor {e.name!r} has dtype {e.dtype}, expected {spec.dtype}")
-            continue
-        fmt = e.quant.get("fmt")
-        if fmt not in FP8_DTYPES:
-            problems.append(f"tensor {e.name!r}: unknown quantization format {fmt!r}; valid: {sorted(FP8_DTYPES)}")
-            continue
-        if e.dtype != FP8_DTYPES[fmt]:
-            problems.append(f"tensor {e.name!r} is quantized as {fmt} but has dtype {e.dtype}, expected "
-                            f"{FP8_DTYPES[fmt]}")
-        if len(e.shape) != 2:
-            problems.append(f"tensor {e.name!r}: only 2-D weights can be quantized, got shape {tuple(e.shape)}")
-            continue
-        s = scales.get(e.name)
-        if s is None:
-            problems.append(f"quantized tensor {e.name!r} has no scale entry {e.name + '_scale'!r}")
-            continue
-        try:
-            want_s = _scale_shape(tuple(e.shape), e.quant)
-        except (BridgeError, KeyError, TypeError, ValueError) as err:
-            problems.append(f"tensor {e.name!r}: bad quant spec {e.quant!r} ({err})")
-            continue
-        if s.dtype != "F32" or tuple(s.shape) != want_s:
-            problems.append(f"scale {s.name!r} is {s.dtype}{list(s.shape)}, expected F32{list(want_s)}")
-    missing = [n for n in spec.shapes if n not in seen]
-    if missing:
-        problems.append(f"missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    if problems:
-        keeps = "" if served_version is None else f"; engine keeps serving v{served_version}"
-        shown = "; ".join(problems[:8]) + (f"; ... ({len(problems) - 8} more)" if len(problems) > 8 else "")
-        raise BridgeError(f"manifest v{manifest.version} rejected: {shown}{keeps}")
+    return seen
+
+
+def _scale_entry_problems(e: TensorEntry, seen: Mapping[str, TensorEntry]) -> list[str]:
+    """A scale entry must belong to a quantized weight of the manifest and be named `<weight>_scale`."""
+    w = seen.get(e.scale_of)
+    if w is None or w.quant is None:
+        return [f"scale {e.name!r} belongs to {e.scale_of!r}, which is not a quantized weight of this manifest"]
+    if e.name != e.scale_of + "_scale":
+        return [f"scale {e.name!r} of {e.scale_of!r} must be named {e.scale_of + '_scale'!r}"]
+    return []
+
+
+def _tensor_problems(e: TensorEntry, spec: ModelSpec, scale: TensorEntry | None) -> list[str]:
+    """A served tensor: the spec's shape, and the spec's dtype unless quantized (then `_quantized_problems`)."""
+    out = []
+    want = spec.shapes[e.name]
+    if tuple(e.shape) != tuple(want):
+        out.append(f"tensor {e.name!r} has shape {tuple(e.shape)}, expected {tuple(want)}")
+    if e.quant is None:
+        if e.dtype != spec.dtype:
+            out.append(f"tensor {e.name!r} has dtype {e.dtype}, expected {spec.dtype}")
+        return out
+    return out + _quantized_problems(e, scale)
+
+
+def _quantized_problems(e: TensorEntry, scale: TensorEntry | None) -> list[str]:
+    """A quantized weight: a known format, its storage dtype, 2-D, and a `<name>_scale` entry in F32 with the
+    shape `_scale_shape` gives for its quant spec."""
+    fmt = e.quant.get("fmt")
+    if fmt not in FP8_DTYPES:
+        return [f"tensor {e.name!r}: unknown quantization format {fmt!r}; valid: {sorted(FP8_DTYPES)}"]
+    out = []
+    if e.dtype != FP8_DTYPES[fmt]:
+        out.append(f"tensor {e.name!r} is quantized as {fmt} but has dtype {e.dtype}, expected {FP8_DTYPES[fmt]}")
+    if len(e.shape) != 2:
+        return out + [f"tensor {e.name!r}: only 2-D weights can be quantized, got shape {tuple(e.shape)}"]
+    if scale is None:
+        return out + [f"quantized tensor {e.name!r} has no scale entry {e.name + '_scale'!r}"]
+    try:
+        want_s = _scale_shape(tuple(e.shape), e.quant)
+    except (BridgeError, KeyError, TypeError, ValueError) as err:
+        return out + [f"tensor {e.name!r}: bad quant spec {e.quant!r} ({err})"]
+    if scale.dtype != "F32" or tuple(scale.shape) != want_s:
+        out.append(f"scale {scale.name!r} is {scale.dtype}{list(scale.shape)}, expected F32{list(want_s)}")
+    return out

@@ -20,7 +20,7 @@ import numpy as np
 
 from opdjax.sync.manifest import BridgeError, Manifest, crc32, crc32_combine
 from opdjax.sync.receiver import WeightReceiver
-from opdjax.sync.transports import _END, _POPULATE, _bytes_view
+from opdjax.sync.transports import MAP_POPULATE
 
 log = logging.getLogger("opdjax.bridge")
 
@@ -81,11 +81,20 @@ def _mac(token: str | bytes, nonce: bytes) -> bytes:
     return hmac.new(key, nonce, hashlib.sha256).digest()
 
 
+_END = object()  # the end of an iterator, for next(it, _END)
+
+
+def _bytes_view(a: Any) -> memoryview:
+    """A flat byte view of an array (copied only when it is not C-contiguous)."""
+    a = np.ascontiguousarray(np.asarray(a))
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
 def _host_buffer(nbytes: int) -> np.ndarray:
     """A uint8 buffer whose pages are allocated up front (one MAP_POPULATE call, not a page fault per 4 KiB)."""
-    if not nbytes or not _POPULATE:
+    if not nbytes or not MAP_POPULATE:
         return np.empty(nbytes, np.uint8)
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE), np.uint8)
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_POPULATE), np.uint8)
 
 
 def _entry_views(manifest: Manifest, arrays: Iterable[Any]):

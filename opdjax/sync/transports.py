@@ -61,12 +61,8 @@ from opdjax.sync.receiver import WeightReceiver, payload_views
 
 log = logging.getLogger("opdjax.bridge")
 
-__all__ = ["InProcessTransport", "SnapshotTransport", "SnapshotWatcher", "default_snapshot_root", "snapshot_payload"]
-
-
-def _bytes_view(a: Any) -> memoryview:
-    a = np.ascontiguousarray(np.asarray(a))
-    return memoryview(a.reshape(-1).view(np.uint8))
+__all__ = ["MAP_POPULATE", "InProcessTransport", "SnapshotTransport", "SnapshotWatcher", "default_snapshot_root",
+           "snapshot_payload"]
 
 
 # ----------------------------------------------------------------------------------------------------- in-process
@@ -122,7 +118,8 @@ def _fill(buf: np.ndarray, manifest: Manifest, arrays: Iterable[Any]) -> None:
 
 
 _END = object()
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+"""mmap's MAP_POPULATE flag (allocate and map every page at once), or 0 where the platform has none."""
 
 
 class _Region:
@@ -149,7 +146,7 @@ class _Region:
         if size != os.fstat(self.fd).st_size:
             os.ftruncate(self.fd, size)
         if size:
-            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | MAP_POPULATE)
             self.buf = np.frombuffer(self.mm, np.uint8)
         self.size = size
 

@@ -15,7 +15,7 @@ import numpy as np
 from opdjax.core.errors import InputError
 from opdjax.models.config import ModelConfig
 
-__all__ = ["Teacher", "TeacherScores", "VocabMismatchError", "check_same_vocab", "check_in_vocab"]
+__all__ = ["Teacher", "TeacherScores", "VocabMismatchError", "check_same_vocab", "check_in_vocab", "scores_from_engine"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,13 @@ class TeacherScores:
     def present(self) -> dict[str, Any]:
         """The fields that are set, by Batch field name."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+def scores_from_engine(s: dict[str, Any]) -> TeacherScores:
+    """An engine's `score` output (logp_BT, topk_ids_BTK / topk_logp_BTK, logits_BTV) as `TeacherScores`: the one
+    mapping every teacher uses, so engines and teachers share one scoring path."""
+    return TeacherScores(teacher_logp_BT=s["logp_BT"], teacher_topk_ids_BTK=s.get("topk_ids_BTK"),
+                         teacher_topk_logp_BTK=s.get("topk_logp_BTK"), teacher_logits_BTV=s.get("logits_BTV"))
 
 
 class Teacher(Protocol):

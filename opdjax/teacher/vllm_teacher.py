@@ -7,7 +7,7 @@ import pathlib
 import numpy as np
 
 from opdjax.rollout.vllm_engine import VllmEngine
-from opdjax.teacher.base import TeacherScores, check_in_vocab
+from opdjax.teacher.base import TeacherScores, check_in_vocab, scores_from_engine
 
 __all__ = ["VllmTeacher"]
 
@@ -36,8 +36,4 @@ class VllmTeacher:
                              "teacher.engine=jax or a loss that needs only teacher_logp / teacher_topk")
         check_in_vocab(tokens_BT, valid_BT, self.cfg.vocab_size)
         k = top_k if "teacher_topk" in needs else 0
-        s = self.engine.score(tokens_BT, valid_BT, top_k=k)
-        if not k:
-            return TeacherScores(teacher_logp_BT=s["logp_BT"])
-        return TeacherScores(teacher_logp_BT=s["logp_BT"], teacher_topk_ids_BTK=s["topk_ids_BTK"],
-                             teacher_topk_logp_BTK=s["topk_logp_BTK"])
+        return scores_from_engine(self.engine.score(tokens_BT, valid_BT, top_k=k))

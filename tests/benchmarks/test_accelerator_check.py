@@ -7,6 +7,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs the benchmark script in a subprocess
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

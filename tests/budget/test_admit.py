@@ -280,6 +280,7 @@ def test_capacity_cli_and_bad_model(monkeypatch, capsys):
 # ------------------------------------------------------------------------------------------------------ real probe
 
 
+@pytest.mark.slow  # the real sequential probe, many batches (~25 s)
 def test_admit_with_the_real_sequential_probe_stops_early_far_from_b_and_samples_to_the_cap_near_it(pair, tmp_path):
     glob = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
             "rollout.max_new_tokens=4", "pipeline.progress=false", "pipeline.tensorboard=false"]
@@ -319,7 +320,7 @@ def test_calibrated_kv_scales_are_probed_as_a_recipe(pair):
     """kv_amax -> calibrate_kv -> a recipe with per-layer KV scales, probed like any other FP8-KV recipe.
 
     Whether calibration lowers M depends on the model: it helps where K/V fall among e4m3's subnormals under vLLM's
-    fixed scale 1.0 (`tests/quant/test_quant.py::test_calibrated_kv_scales_keep_small_values_out_of_the_subnormals`).
+    fixed scale 1.0 (`tests/quant/test_hooks.py::test_calibrated_kv_scales_keep_small_values_out_of_the_subnormals`).
     This random tiny pair's K/V reach 3.5 and 0.6, where e4m3's relative precision is the same at any scale, and
     the two M differ by sampling noise only (8.4e-6 vs 8.7e-6, either order by seed), so no order is asserted."""
     from opdjax.budget.probe import kv_amax, probe

@@ -94,6 +94,7 @@ def _study(pair, out, *extra):
         "shift.prompts=8", *extra], small=True)
 
 
+@pytest.mark.slow  # real training runs of a --small study (~55 s)
 def test_small_study_writes_all_outputs_and_resume_skips_finished_runs(pair, tmp_path, monkeypatch):
     # Real runs on tiny models: 2 of the `--small` sweep points, phenomena off (covered with fake runs below).
     study = _study(pair, tmp_path / "study", "staleness=[]", "rl.enabled=false", "shift.enabled=false")

@@ -4,6 +4,10 @@ import that "PyTorch was not found", which a user reads as an error; opdjax uses
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts Python subprocesses that import opdjax and transformers
+
 # What a core install (`make demo`'s venv) looks like to transformers: no torch package to find.
 NO_TORCH = ("import importlib.util\nfind = importlib.util.find_spec\n"
             "importlib.util.find_spec = lambda n, *a: None if n.split('.')[0] == 'torch' else find(n, *a)\n")

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from opdjax.core import losses
-from opdjax.core.losses import LOSSES, NEEDS, LossInputs, get_loss, loss_needs
+from opdjax.core.losses import LOSSES, NEEDS, get_loss, loss_needs
 from opdjax.core.corrections import Correction
+from opdjax.core.types import Batch
 
 # ----------------------------------------------------------------------------------------------------- numpy refs
 
@@ -201,7 +202,7 @@ def test_padding_may_hold_anything():
 def test_all_masked_batch_is_finite():
     B, T, V = 2, 3, 4
     z = jnp.zeros((B, T, V))
-    batch = LossInputs(
+    batch = Batch(
         mask_BT=np.zeros((B, T), bool),
         rollout_logp_BT=np.zeros((B, T)),
         teacher_logp_BT=np.zeros((B, T)),
@@ -414,7 +415,7 @@ def test_every_loss_is_jittable_and_matches_eager(as_dict):
         teacher_logits_BTV=t_logits.astype(np.float32),
         reward_B=np.array([1.0, 0.0, 1.0, 1.0], np.float32),
     )
-    batch = fields if as_dict else LossInputs(**fields)
+    batch = fields if as_dict else Batch(**fields)
     corr = Correction("token_tis")
     options = {"reverse_kl_sampled": {"discount": 0.9}, "forward_kl_topk": {"tail": True}, "jsd": {"beta": 0.3},
                "reinforce": {"group_size": 2}}  # fmt: skip
@@ -442,7 +443,7 @@ def test_missing_fields_name_the_field_and_the_loss():
     with pytest.raises(ValueError, match=r"jsd.*student_logprobs_BTV"):
         get_loss("jsd")(s, None, {"mask_BT": mask, "teacher_logits_BTV": lp})
     with pytest.raises(ValueError, match=r"reinforce.*reward_B"):
-        get_loss("reinforce")(s, None, LossInputs(mask_BT=mask))
+        get_loss("reinforce")(s, None, Batch(mask_BT=mask))
     with pytest.raises(ValueError, match=r"mask_BT"):
         get_loss("reinforce")(s, None, {"reward_B": np.zeros(2)})
     with pytest.raises(ValueError, match=r"rollout_logp_BT.*token_tis"):
@@ -491,3 +492,48 @@ def test_option_errors():
         get_loss("reinforce")(s, None, {"mask_BT": mask, "reward_B": np.zeros(2)}, group_size=4)
     with pytest.raises(ValueError, match="unknown correction"):
         get_loss("reinforce")(s, None, {"mask_BT": mask, "reward_B": np.zeros(2)}, correction="tis")
+
+
+# ----------------------------------------------------------------------------------------------------- registry
+
+
+def _loss_cell(scale: float):
+    """A notebook cell defining `scaled_nll`: each run makes a new function with the same qualified name."""
+
+    def scaled_nll(student_logp_BT, student_logprobs_BTV, batch, *, correction=None):
+        m = jnp.asarray(batch.mask_BT if isinstance(batch, Batch) else batch["mask_BT"], jnp.float32)
+        return -scale * jnp.sum(student_logp_BT * m) / jnp.maximum(m.sum(), 1), {}
+
+    return scaled_nll
+
+
+def _other_loss_cell():
+    def scaled_nll(student_logp_BT, student_logprobs_BTV, batch, *, correction=None):
+        return jnp.zeros(()), {}
+
+    return scaled_nll
+
+
+def test_reregistering_the_same_loss_definition_replaces_it_and_its_needs():
+    s, mask = jnp.array([[-1.0, -3.0]]), jnp.array([[True, True]])
+    try:
+        losses.register_loss("test_scaled_nll")(_loss_cell(1.0))
+        losses.register_loss("test_scaled_nll", needs=frozenset({"reward"}))(_loss_cell(2.0))  # the cell re-run
+        assert loss_needs("test_scaled_nll") == frozenset({"reward"})
+        loss, _ = get_loss("test_scaled_nll")(s, None, Batch(mask_BT=mask, reward_B=jnp.ones(1)))
+        assert float(loss) == pytest.approx(4.0)  # 2 · mean(1, 3): the second definition runs
+    finally:
+        LOSSES.pop("test_scaled_nll", None)
+    assert "test_scaled_nll" not in LOSSES
+
+
+def test_a_different_loss_under_a_taken_name_is_refused_and_the_entry_kept():
+    try:
+        first = losses.register_loss("test_scaled_nll")(_loss_cell(1.0))
+        with pytest.raises(ValueError, match=r"loss 'test_scaled_nll' is already registered to "
+                                             r"tests\.core\.test_losses\._loss_cell\.<locals>\.scaled_nll.*"
+                                             r"pick another name"):
+            losses.register_loss("test_scaled_nll")(_other_loss_cell())
+        assert LOSSES["test_scaled_nll"] is first
+    finally:
+        LOSSES.pop("test_scaled_nll", None)

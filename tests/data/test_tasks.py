@@ -93,6 +93,53 @@ def test_registry_errors_list_names_and_options():
         get_task("copy").examples(3, seed=0, split="test")
 
 
+def _task_cell(answer: str):
+    """A notebook cell defining `ConstTask`: each run makes a new class with the same qualified name."""
+
+    class ConstTask:
+        name = "test_const"
+
+        def examples(self, n, seed, split="train"):
+            return [Example(prompt=f"q{i}", answer=answer) for i in range(n)]
+
+        def grade(self, example, completion_text):
+            return float(completion_text.strip() == example.answer)
+
+    return ConstTask
+
+
+def _other_task_cell():
+    class ConstTask:  # same name, different qualified name
+        name = "test_const"
+
+    return ConstTask
+
+
+def test_reregistering_the_same_task_definition_replaces_it():
+    try:
+        tasks.register_task("test_const")(_task_cell("1"))
+        second = tasks.register_task("test_const")(_task_cell("2"))  # the cell, run again with an edit
+        assert tasks.TASKS["test_const"] is second
+        assert [e.answer for e in get_task("test_const").examples(2, seed=0)] == ["2", "2"]
+    finally:
+        tasks.TASKS.pop("test_const", None)
+    assert "test_const" not in tasks.TASKS
+
+
+def test_a_different_task_under_a_taken_name_is_refused_and_the_entry_kept():
+    try:
+        first = tasks.register_task("test_const")(_task_cell("1"))
+        with pytest.raises(ValueError, match=r"task 'test_const' is already registered to "
+                                             r"tests\.data\.test_tasks\._task_cell\.<locals>\.ConstTask.*"
+                                             r"pick another name"):
+            tasks.register_task("test_const")(_other_task_cell())
+        assert tasks.TASKS["test_const"] is first
+    finally:
+        tasks.TASKS.pop("test_const", None)
+    with pytest.raises(ValueError, match="task 'addition' is already registered to opdjax.data.tasks.AdditionTask"):
+        tasks.register_task("addition")(_task_cell("1"))
+
+
 def _write(path, lines):
     path.write_text("\n".join(lines) + "\n")
     return path

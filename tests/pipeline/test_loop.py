@@ -24,6 +24,7 @@ def _lines(tmp_path):
     return [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # a 4-step run with evaluations
 def test_sync_run_logs_mismatch_and_teacher_kl_every_step(pair, tmp_path):
     summary = pipeline.train(_cfg(pair, tmp_path), log=lambda s: None)
     assert summary["steps"] == 4
@@ -80,6 +81,7 @@ def test_a_run_directory_in_use_is_refused(pair, tmp_path):
     assert not (out / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow  # three runs, 8 steps in all
 def test_resume_continues_exactly_where_the_run_stopped(pair, tmp_path):
     straight = tmp_path / "straight"
     straight.mkdir()
@@ -99,6 +101,7 @@ def test_resume_continues_exactly_where_the_run_stopped(pair, tmp_path):
     assert la == lb
 
 
+@pytest.mark.slow  # a 3-step async run
 def test_async_drops_stale_rollouts_and_counts_them(pair, tmp_path):
     cfg = _cfg(pair, tmp_path, "pipeline.mode=async", "pipeline.max_staleness=0", "pipeline.queue_size=2",
                "pipeline.steps=3")
@@ -108,16 +111,17 @@ def test_async_drops_stale_rollouts_and_counts_them(pair, tmp_path):
     assert summary["dropped_rollouts"] == steps[-1]["dropped"] >= 1
 
 
+@pytest.mark.slow  # a 6-step async run and its resume
 def test_a_failing_async_rollout_worker_stops_the_run_with_its_error_and_the_run_resumes(pair, tmp_path, monkeypatch):
     """Issue 29 audit: async beyond the drop cut-off — a rollout worker that fails surfaces its error on the learner
     thread (not a hang), and the async run resumes from its checkpoint, logging each step once."""
     real, calls = pipeline.generate, []
 
-    def flaky(run, examples, seed):
+    def flaky(engine, tokenizer, examples, sampling, *, seed, samples_per_prompt=1):
         calls.append(seed)
         if len(calls) == 5:
             raise OSError("rollout engine lost its device")
-        return real(run, examples, seed)
+        return real(engine, tokenizer, examples, sampling, seed=seed, samples_per_prompt=samples_per_prompt)
     monkeypatch.setattr(pipeline, "generate", flaky)
     cfg = _cfg(pair, tmp_path, "pipeline.mode=async", "pipeline.max_staleness=1", "pipeline.queue_size=1",
                "pipeline.steps=6", "pipeline.checkpoint_every=1", "pipeline.eval_every=0")
@@ -219,6 +223,7 @@ def test_bad_out_dirs_are_one_line_errors(pair, tmp_path):
                        log=lambda s: None)
 
 
+@pytest.mark.slow  # a real `opdjax train` process, 10 steps
 def test_kill_9_mid_run_then_resume_logs_every_step_once(pair, tmp_path):
     """Issue 16 row 4, with a real process: killed after the step-4 checkpoint and a few more steps, the resumed run's
     metrics.jsonl holds each step once and the initial evaluation under step 0."""

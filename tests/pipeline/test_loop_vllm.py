@@ -8,6 +8,8 @@ from opdjax.config import TrainConfig, load
 from opdjax.models.tiny import load_tokenizer, make_tiny
 from opdjax.pipeline import loop as pipeline
 
+pytestmark = pytest.mark.slow  # training runs with the real vLLM engine
+
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -14,6 +14,8 @@ import pytest
 from opdjax.learner import latest_step
 from tests.remote.test_serve_processes import _start
 
+pytestmark = pytest.mark.slow  # real `opdjax train` processes under jax.distributed
+
 BASE = ["task.options={digits: 1}", "rollout.batch_size=8", "rollout.max_new_tokens=4", "optim.lr=3e-3",
         "pipeline.eval_every=0", "pipeline.eval_prompts=32", "pipeline.progress=false", "pipeline.tensorboard=false"]
 

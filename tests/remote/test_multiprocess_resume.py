@@ -6,8 +6,12 @@ import os
 import signal
 import time
 
+import pytest
+
 from opdjax.learner import latest_step
 from tests.remote.test_multiprocess import _learners, _wait
+
+pytestmark = pytest.mark.slow  # real `opdjax train` processes under jax.distributed
 
 
 def test_a_dead_learner_process_stops_the_job_and_a_resumed_job_continues_exactly(pair, tmp_path):

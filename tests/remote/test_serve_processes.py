@@ -14,6 +14,8 @@ import pytest
 from opdjax.pipeline import loop as pipeline
 from tests.pipeline.test_loop import _cfg, _lines
 
+pytestmark = pytest.mark.slow  # real `opdjax serve` processes
+
 
 START_TIMEOUT = 420.0  # seconds for a server to print its ready line (a vLLM server loads in ~60 s here)
 

@@ -22,7 +22,7 @@ from opdjax.sync import BridgeError, Publisher
 from opdjax.teacher.jax_teacher import JaxTeacher
 from tests.remote.test_serve_processes import _start
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # the real vLLM engine
 SECRET = "vllm-serve-secret"
 VLLM_KW = "rollout.vllm={kv_cache_memory_bytes: 33554432, max_model_len: 256, max_num_seqs: 16}"
 

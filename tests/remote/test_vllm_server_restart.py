@@ -70,6 +70,7 @@ CHILD = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # `opdjax serve` starting (and restarting) a server process
 def test_opdjax_serve_restarts_a_server_that_asks_for_it_and_says_so(pair, tmp_path, monkeypatch, capfd):
     script, first = tmp_path / "child.py", tmp_path / "first"
     script.write_text(CHILD)

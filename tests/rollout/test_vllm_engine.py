@@ -21,7 +21,7 @@ from opdjax.sync import BridgeError  # noqa: E402
 from opdjax.teacher.jax_teacher import JaxTeacher  # noqa: E402
 from opdjax.budget import search
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # the real vLLM engine
 
 
 @pytest.fixture(scope="module")

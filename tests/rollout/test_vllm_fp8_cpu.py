@@ -25,7 +25,7 @@ from opdjax.rollout.jax_engine import JaxEngine  # noqa: E402
 from opdjax.rollout.vllm_settings import HardwareError, VllmSettingsError  # noqa: E402
 from opdjax.sync import BridgeError  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # the real vLLM engine
 
 KEEP = "model.layers.1.mlp.*_proj"  # one fused layer (gate_up) and down_proj the recipe keeps in high precision
 # fp8_w8a8 (per-tensor weights, per-token activations) except layer 1's MLP

@@ -1,5 +1,7 @@
 """Manifests, the learner-side stream and receiver validation, with an in-memory receiver double (no vLLM)."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -171,9 +173,38 @@ def test_crc32_helpers_equal_zlib_for_any_split_and_thread_count(monkeypatch):
     bufs.append(rng.standard_normal((64, 48)).astype(np.float32).T)  # not contiguous
     want = [zlib.crc32(np.ascontiguousarray(b).tobytes()) for b in bufs]
     monkeypatch.setattr(M, "PIECE", 1 << 20)  # big buffers are cut into pieces and recombined
-    for threads in ("1", "2", "3"):
-        monkeypatch.setenv("OPDJAX_BRIDGE_CRC_THREADS", threads)
-        assert M.checksum_many(bufs) == want
+    old = M.checksum_options()
+    try:
+        for backend in ("auto", "zlib"):
+            for threads in (1, 2, 3):
+                M.set_checksum_options(backend=backend, threads=threads)
+                assert M.checksum_threads() == threads
+                assert M.checksum_many(bufs) == want
+        assert M.crc32_impl() == "zlib"  # the last options force zlib
+    finally:
+        M.set_checksum_options(**dataclasses.asdict(old))
+    assert M.checksum_options() == old
+
+
+def test_checksum_options_refuse_unknown_backends_and_bad_thread_counts():
+    from opdjax.sync import manifest as M
+
+    old = M.checksum_options()
+    try:
+        with pytest.raises(ValueError, match="unknown CRC-32 backend 'crc32c'; valid: "):
+            M.set_checksum_options(backend="crc32c")
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(ValueError, match="positive int or None"):
+                M.set_checksum_options(threads=bad)
+        assert M.checksum_options() == old  # a refused call changes nothing
+        if M._libdeflate_crc32() is None:
+            with pytest.raises(ValueError, match="no usable libdeflate"):
+                M.set_checksum_options(backend="libdeflate")
+        else:
+            M.set_checksum_options(backend="libdeflate")
+            assert M.crc32_impl() == "libdeflate"
+    finally:
+        M.set_checksum_options(**dataclasses.asdict(old))
 
 
 def test_a_negative_version_or_a_zero_quant_block_is_refused_with_a_status(cfg, params):

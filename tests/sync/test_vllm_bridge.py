@@ -27,7 +27,7 @@ from opdjax.sync import (  # noqa: E402
     prepare,
 )
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # the real vLLM engine
 TOKEN = "bridge-test-token"
 
 
