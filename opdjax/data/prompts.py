@@ -19,7 +19,8 @@ def encode_prompts(tokenizer, examples: Sequence[Example]) -> list[list[int]]:
 def sft_batch(tokenizer, examples: Sequence[Example], length: int | None = None) -> Batch:
     """[left-padded prompt | answer + EOS | right pad] rows; the completion mask covers answer + EOS.
 
-    Returns tokens_BT, valid_BT, completion_mask_BT and a zero rollout_logp_BT (no engine produced them).
+    Returns tokens_BT, valid_BT and mask_BT (the answer tokens); no rollout_logp_BT: no engine produced them, so the
+    learner logs no mismatch metrics.
     """
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     prompts = encode_prompts(tokenizer, examples)
@@ -38,7 +39,7 @@ def sft_batch(tokenizer, examples: Sequence[Example], length: int | None = None)
         tokens[b, P:P + len(a)] = a
         valid[b, P - len(p):P + len(a)] = True
         comp[b, P:P + len(a)] = True
-    return Batch(tokens_BT=tokens, valid_BT=valid, mask_BT=comp, rollout_logp_BT=np.zeros((B, L), np.float32))
+    return Batch(tokens_BT=tokens, valid_BT=valid, mask_BT=comp)
 
 
 @dataclasses.dataclass

@@ -70,6 +70,7 @@ def test_bounds_always_contain_the_estimate_even_with_one_huge_sequence():
     assert seq.ratio_bounds(np.array([1.0, 2.0]), np.array([3, 1]), 0.05)[1:] == (-math.inf, math.inf)
 
 
+@pytest.mark.slow  # 4,000 simulated probes per risk level (~25 s each)
 @pytest.mark.parametrize("alpha", [0.05, 0.2])
 def test_false_admits_stay_below_the_risk_at_and_just_beyond_the_budget(alpha):
     # The hardest truths for a false ADMIT: M exactly B and just beyond it, 1,000 probes each, skewed terms.

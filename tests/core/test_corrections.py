@@ -45,7 +45,8 @@ def test_a_different_function_under_a_taken_name_is_refused_and_the_entry_kept()
     try:
         first = corr.register_correction("test_halve")(_cell(0.5))
         with pytest.raises(ValueError, match=r"correction 'test_halve' is already registered to "
-                                             r"tests\.core\.test_corrections\._cell\.<locals>\.halve.*pick another name"):
+                                             r"tests\.core\.test_corrections\._cell\.<locals>\.halve.*"
+                                             r"pick another name"):
             corr.register_correction("test_halve")(_other_cell())
         assert corr.CORRECTIONS["test_halve"] is first
     finally:

@@ -57,6 +57,7 @@ def _logits_and_grad(attention="auto", remat="none", dtype=jnp.float32):
     return val, np.where(np.asarray(valid)[..., None], np.asarray(logits), 0.0), g
 
 
+@pytest.mark.slow  # four attention/remat variants, forward and gradient (~30 s)
 def test_fused_attention_and_remat_match_einsum_attention_with_left_and_right_padding():
     ref_val, ref_logits, ref_g = _logits_and_grad("einsum")
     for attention, remat in [("xla", "none"), ("auto", "block"), ("xla", "dots")]:

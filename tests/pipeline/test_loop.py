@@ -41,6 +41,7 @@ def test_sync_run_logs_mismatch_and_teacher_kl_every_step(pair, tmp_path):
     assert latest_step(tmp_path / "run" / "checkpoints") == 4
 
 
+@pytest.mark.slow  # a run with the simulated FP8 engine (its own compilations)
 def test_simulated_fp8_engine_shows_mismatch(pair, tmp_path):
     pipeline.train(_cfg(pair, tmp_path, "rollout.recipe=fp8_w8a8_kv", "pipeline.steps=2", "loss.correction=token_tis"),
                    log=lambda s: None)
@@ -49,6 +50,7 @@ def test_simulated_fp8_engine_shows_mismatch(pair, tmp_path):
     assert all("corr/is_frac_capped" in x for x in steps)
 
 
+@pytest.mark.slow  # three 2-step runs
 def test_a_finished_run_is_never_destroyed(pair, tmp_path):
     """Issue 16 rows 1 and 3: a fresh run into a run's directory is refused unless pipeline.overwrite=true (which
     replaces it); resuming a finished run is a no-op that keeps its summary and its metrics."""
@@ -178,6 +180,7 @@ def test_publishing_over_a_wire_transport_trains_exactly_as_in_process(pair, tmp
     assert [x["loss"] for x in la] == [x["loss"] for x in lb]
 
 
+@pytest.mark.slow  # a run and two resumes
 def test_a_resume_that_changes_what_is_trained_is_refused_naming_the_keys(pair, tmp_path):
     """Issue 29 row 2: resuming with another lr / loss / temperature trained a mixed run silently. It is refused,
     nothing is touched; `pipeline.allow_config_change=true` continues and records the change; steps may grow."""

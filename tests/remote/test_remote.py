@@ -51,6 +51,7 @@ def test_the_wire_format_rebuilds_the_engines_batch_exactly(pair):
         protocol.rollout_batch(prompts, wire, sp, engine.pad_id)
 
 
+@pytest.mark.slow  # two 4-step runs, one against servers
 def test_a_run_against_servers_trains_as_the_same_run_in_process(pair, tmp_path, token_file):
     local = pipeline.train(_cfg(pair, tmp_path / "local"), log=lambda s: None)
     teacher = JaxTeacher.from_pretrained(pair[1])
