@@ -69,7 +69,7 @@ def prefix_shift(student_path: str | pathlib.Path, cfg: TrainConfig, sigmas: Seq
         acc: dict[str, list] = {}
         for s in seeds:
             a = clean.generate(enc, sp, seed=1000 + s)
-            noisy = JaxEngine(mcfg, params, weight_noise=float(sigma), noise_seed=s, **kw)
+            noisy = JaxEngine(mcfg, params, weight_noise=float(sigma), seed=s, **kw)
             b = noisy.generate(enc, sp, seed=1000 + s)
             pi = clean.score(b.tokens_BT, b.valid_BT, temperature=T)["logp_BT"]
             vals = _shift_metrics(a, b, pi, completion_texts(tok, a), completion_texts(tok, b), grades, N)

@@ -107,7 +107,7 @@ def _limits(args) -> ServerLimits:
     """The server limits `opdjax serve` flags set (defaults: `ServerLimits`)."""
     return ServerLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)), max_batch=args.max_batch,
                         max_tokens=args.max_tokens, max_top_k=args.max_top_k, idle_timeout=args.idle_timeout,
-                        transfer_idle_timeout=args.transfer_idle_timeout,
+                        request_timeout=args.request_timeout, transfer_idle_timeout=args.transfer_idle_timeout,
                         refusal_log_per_min=args.refusal_log_per_min)
 
 
@@ -223,6 +223,8 @@ def add_serve_command(subparsers) -> None:
     sp.add_argument("--max-body-mb", type=float, default=lim.max_body_bytes / (1 << 20), help="request body size")
     sp.add_argument("--idle-timeout", type=float, default=lim.idle_timeout,
                     help="seconds an HTTP connection may be silent before it is closed")
+    sp.add_argument("--request-timeout", type=float, default=lim.request_timeout,
+                    help="seconds a client may take to send one whole request (slow-loris bound)")
     sp.add_argument("--transfer-idle-timeout", type=float, default=lim.transfer_idle_timeout,
                     help="seconds a weight transfer over the bridge may stall before it is dropped")
     sp.add_argument("--refusal-log-per-min", type=int, default=lim.refusal_log_per_min,

@@ -8,7 +8,6 @@ import dataclasses
 import pathlib
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -103,10 +102,10 @@ def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, p
     if r.engine == "vllm":
         return VllmEngine(student_path, dtype=r.dtype, seed=r.seed, fp8_emulation=r.fp8_emulation,
                           recipe=None if r.recipe == "none" else r.recipe, **r.vllm)
-    return JaxEngine(student_cfg, params, recipe=r.recipe, weight_noise=r.weight_noise, noise_seed=r.seed,
+    return JaxEngine(student_cfg, params, recipe=r.recipe, weight_noise=r.weight_noise, seed=r.seed,
                      noise_mode=r.noise_mode, decode_attention=r.decode_attention,
                      stale_versions=r.stale_versions, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
-                     dtype="bfloat16" if r.dtype == "bfloat16" else np.dtype("float32"))  # auto: float32
+                     dtype=r.dtype)
 
 
 def make_publisher(cfg: TrainConfig, student_cfg: ModelConfig, engine: RolloutEngine) -> tuple[Publisher, Link]:

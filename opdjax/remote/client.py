@@ -359,7 +359,10 @@ class RemoteEngine:
                                 f"{str(info.get('spec_sha256'))[:12]}) than the learner's ({self.cfg.model_type}, "
                                 f"{want[:12]}); restart it with the student's checkpoint")
         last = self.link.last
-        behind = self.published is not None and int(info.get("received_version", -1)) < self.published
+        have = int(info.get("received_version", -1))
+        behind = self.published is not None and have < self.published
+        if self.sync and self.published is not None and s.dialect != "vllm":  # what it serves must be the version
+            behind = behind or int(info.get("version", have)) != self.published  # (weights changed behind the run)
         if behind and last is not None:
             self.link.push(s, *last)  # it missed versions (restarted): give it the newest before it serves
         elif behind:  # another learner process publishes; wait until it has resynchronised this server

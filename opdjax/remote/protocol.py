@@ -62,6 +62,7 @@ class ServerLimits:
     max_body_bytes     one request body            max_batch        prompts (or sequences) per request
     max_tokens         max_tokens per request      max_top_k        top_k / prompt_logprobs
     idle_timeout       seconds a connection may be silent (HTTP requests; bridge transfers: transfer_idle_timeout)
+    request_timeout    seconds a client may take to send one whole request (a byte-trickling slow-loris is cut)
     transfer_idle_timeout  seconds a weight transfer may stall before it is dropped
     refusal_log_per_min    refusals logged per minute (the rest counted); paths are logged truncated
     A prompt plus max_tokens must fit the model's positions.
@@ -72,6 +73,7 @@ class ServerLimits:
     max_tokens: int = 4096
     max_top_k: int = 64
     idle_timeout: float = 20.0
+    request_timeout: float = 60.0
     transfer_idle_timeout: float = 30.0
     refusal_log_per_min: int = 20
 

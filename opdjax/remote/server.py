@@ -19,8 +19,11 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import io
 import json
 import logging
+import math
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -43,6 +46,28 @@ def spec_fingerprint(spec: ModelSpec) -> str:
     text = json.dumps({"model_type": spec.model_type, "dtype": spec.dtype,
                        "shapes": {k: list(v) for k, v in spec.shapes.items()}}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+class DeadlineReader(io.RawIOBase):
+    """A connection's reads, each bounded by the idle timeout and by the current request's `deadline` (monotonic
+    seconds): a client trickling a byte at a time cannot hold a connection (and a server thread) past
+    `ServerLimits.request_timeout`. Writes keep the idle timeout."""
+
+    def __init__(self, sock: socket.socket, idle: float):
+        self.sock, self.idle, self.deadline = sock, float(idle), math.inf
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request was not received within the request timeout")
+        self.sock.settimeout(min(self.idle, left))
+        try:
+            return self.sock.recv_into(b)
+        finally:
+            self.sock.settimeout(self.idle)
 
 
 class EngineServer:
@@ -76,7 +101,16 @@ class EngineServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
-            timeout = limits.idle_timeout  # a silent or trickling (slow-loris) connection is closed
+            timeout = limits.idle_timeout  # a silent connection is closed; a trickling one by the request deadline
+
+            def setup(self):
+                super().setup()
+                self._reader = DeadlineReader(self.connection, limits.idle_timeout)
+                self.rfile = io.BufferedReader(self._reader)
+
+            def handle_one_request(self):
+                self._reader.deadline = time.monotonic() + limits.request_timeout
+                super().handle_one_request()
 
             def log_message(self, fmt, *args):  # quiet: refusals and errors are logged explicitly
                 log.debug("%s " + fmt, self.client_address[0], *args)

@@ -4,8 +4,8 @@
 
     served = Q_recipe( W + sigma * rms(W) * eps )        eps ~ N(0, 1)
 
-with eps drawn once from key(noise_seed) and kept for every version (noise_mode "fixed": a persistent offset of
-the served policy), or redrawn per version from fold_in(key(noise_seed), version) ("per_version": a fresh
+with eps drawn once from key(seed) and kept for every version (noise_mode "fixed": a persistent offset of
+the served policy), or redrawn per version from fold_in(key(seed), version) ("per_version": a fresh
 perturbation every update, which partly averages out over training steps); or, noise_mode "rounding",
 
     served = Q_recipe( grid_sigma(W) )     every decoder matmul kernel rounded to a per-output-channel grid of
@@ -293,12 +293,13 @@ class JaxEngine:
     recipe            quantization recipe (a `quant.Recipe`, a preset name or None = none): weights quantized at
                       update time, activations and KV cache through forward hooks
     weight_noise      the weight-noise knob sigma (0 = none); its kind is noise_mode
-    noise_seed, noise_mode  "fixed" (relative Gaussian noise, one eps for all versions), "per_version" (eps
+    seed, noise_mode  the engine's seed (`rollout.seed`: the weight noise's); "fixed" (relative Gaussian noise, one eps for all versions), "per_version" (eps
                       redrawn per version) or "rounding" (matmul kernels rounded to a per-channel grid of step
-                      sigma * max|W|; noise_seed unused): `perturb.NOISE_MODES`, module docstring
+                      sigma * max|W|; seed unused): `perturb.NOISE_MODES`, module docstring
     stale_versions    serve the weights published k versions ago (the oldest of the last k+1)
     pad_id, eos_id    padding id; eos_id (if not None) stops a row like any of `sampling.stop_token_ids`
-    dtype             compute and weight storage dtype; cache_dtype: KV-cache storage dtype (default dtype)
+    dtype             compute and weight storage dtype ("auto" = float32: simulated FP8 is qdq in this dtype);
+                      cache_dtype: KV-cache storage dtype (default dtype)
     mesh              optional (data, fsdp, tensor) mesh: weights placed by logical axes, batches over (data, fsdp)
     merge_projections q/k/v and gate/up as one matmul each (`decoder.merge_projections`); None = on except on
                       CPU and tensor-parallel meshes (`default_merge_projections`)
@@ -314,7 +315,7 @@ class JaxEngine:
 
     def __init__(self, cfg: ModelConfig, params: nnx.State | None = None, *, graphdef: nnx.GraphDef | None = None,
                  recipe: quant.Recipe | str | Mapping[str, Any] | None = None, weight_noise: float = 0.0,
-                 noise_seed: int = 0, noise_mode: str = "fixed", stale_versions: int = 0, pad_id: int = 0,
+                 seed: int = 0, noise_mode: str = "fixed", stale_versions: int = 0, pad_id: int = 0,
                  eos_id: int | None = None,
                  dtype: Any = jnp.float32, cache_dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
                  merge_projections: bool | None = None, decode_attention: str = "einsum"):
@@ -328,15 +329,15 @@ class JaxEngine:
             if tok is not None and not 0 <= tok < cfg.vocab_size:
                 raise ValueError(f"{what}={tok} is outside the vocabulary [0, {cfg.vocab_size})")
         self.cfg = cfg
-        self.dtype = jnp.dtype(dtype)
-        self.cache_dtype = jnp.dtype(cache_dtype if cache_dtype is not None else dtype)
+        self.dtype = jnp.dtype("float32" if isinstance(dtype, str) and dtype == "auto" else dtype)  # auto: f32
+        self.cache_dtype = jnp.dtype(cache_dtype) if cache_dtype is not None else self.dtype
         self.recipe = quant.as_recipe(recipe)
         self.hooks = None if self.recipe.is_noop else forward_quant(self.recipe)
         backend = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
         if not self.recipe.is_noop:  # never a silent no-op: the rounding must survive this backend's compiler
             quant.check_effective(self.recipe, self.dtype, backend=backend)
         self.weight_noise = float(weight_noise)
-        self.noise_seed = int(noise_seed)
+        self.seed = int(seed)
         self.noise_mode = noise_mode
         self.stale_versions = int(stale_versions)
         self.pad_id = int(pad_id)
@@ -431,7 +432,7 @@ class JaxEngine:
                      if quant.weight_spec(quant.FP8_DEFAULT, n, a.ndim) is not None else a
                      for n, a in hf.named_params(self.cfg, state, hf_layout=False).items()}
         elif self.weight_noise > 0:
-            key = jax.random.key(self.noise_seed)
+            key = jax.random.key(self.seed)
             if self.noise_mode == "per_version":
                 key = jax.random.fold_in(key, version & 0xFFFFFFFF)
             state = add_weight_noise(state, self.weight_noise, key, mode="relative")
@@ -510,7 +511,7 @@ class JaxEngine:
             version_B=np.full((n,), version, np.int64),
             prompt_index_B=np.arange(n, dtype=np.int64),
             meta={"engine": self.name, "sampling": dataclasses.asdict(sampling), "seed": int(seed),
-                  "recipe": self.recipe.name, "weight_noise": self.weight_noise, "noise_seed": self.noise_seed,
+                  "recipe": self.recipe.name, "weight_noise": self.weight_noise, "engine_seed": self.seed,
                   "noise_mode": self.noise_mode,
                   "stale_versions": self.stale_versions, "version": version, "prompt_len": P},
         )

@@ -196,3 +196,22 @@ def test_client_error_paths_are_clear(pair, tmp_path):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(InputError, match="is empty; put the shared secret in it"):
         read_token(str(tmp_path / "empty"))
+
+
+def test_a_row_of_the_wrong_version_is_never_trained_on(pair):
+    """Issue 29 audit: a server answering with a version other than the newest published (its weights changed behind
+    the run's back) is marked down and resynchronised; the rows the loop gets carry the published version."""
+    mcfg = ModelConfig.from_dir(pair[0])
+    server = EngineServer(engine=_engine(pair[0]), token=TOKEN).start()
+    logs = []
+    remote = RemoteEngine([f"127.0.0.1:{server.port}"], TOKEN, mcfg, pad_id=0, wait_s=20, backoff=0.05, timeout=30,
+                          log_fn=logs.append)
+    try:
+        Publisher(mcfg, remote.link, dtype="float32").publish(_params(pair[0]), 3)
+        server.engine.update_weights(hf.read_tensors(pair[0]), 7)  # not what the run published
+        batch = remote.generate([[5, 6]] * 4, SamplingParams(max_new_tokens=3), seed=1)
+        assert set(batch.version_B) == {3} and server.engine.version == 3  # resynchronised before it served again
+        down = [o for o in remote.outages if o["event"] == "down"]
+        assert down and "answered with weight version(s) ['7'], expected v3" in down[0]["why"]
+    finally:
+        server.stop()

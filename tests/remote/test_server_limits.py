@@ -19,7 +19,8 @@ from opdjax.rollout.jax_engine import JaxEngine
 from opdjax.teacher import JaxTeacher
 
 TOKEN = "limits-secret"
-LIMITS = protocol.ServerLimits(max_batch=16, max_tokens=64, max_top_k=16, idle_timeout=1.0, refusal_log_per_min=5)
+LIMITS = protocol.ServerLimits(max_batch=16, max_tokens=64, max_top_k=16, idle_timeout=1.0, request_timeout=3.0,
+                               refusal_log_per_min=5)
 
 
 @contextlib.contextmanager
@@ -116,6 +117,31 @@ def test_a_silent_socket_is_closed_after_the_idle_timeout(servers):
     t0 = time.perf_counter()
     assert s.recv(100) == b""  # closed by the server
     assert time.perf_counter() - t0 < LIMITS.idle_timeout + 3
+    s.close()
+    assert _post(rs, GOOD_GEN)[0] == 200
+
+
+def test_a_byte_trickling_socket_is_cut_at_the_request_timeout(servers):
+    """Issue 29: a slow-loris that sends a byte every half idle timeout is never silent, but its request must
+    arrive whole within `request_timeout`."""
+    rs, _ = servers
+    s = socket.create_connection(("127.0.0.1", rs.port), timeout=10)
+    t0 = time.perf_counter()
+    closed = False
+    for b in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 40:
+        try:
+            s.sendall(bytes([b]))
+        except OSError:  # reset by the server
+            closed = True
+            break
+        s.settimeout(LIMITS.idle_timeout / 2)
+        try:
+            if s.recv(100) == b"":
+                closed = True
+                break
+        except TimeoutError:
+            pass
+    assert closed and time.perf_counter() - t0 < LIMITS.request_timeout + 3
     s.close()
     assert _post(rs, GOOD_GEN)[0] == 200
 

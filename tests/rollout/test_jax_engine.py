@@ -344,15 +344,15 @@ def test_fp8_recipe_and_weight_noise_change_the_engine_distribution(model, engin
     d = np.abs(fp8 - base)[:, 1:][valid[:, 1:] & valid[:, :-1]]
     assert 0 < d.max() < 0.5
     assert np.array_equal(JaxEngine(cfg, s, graphdef=g, weight_noise=0.0).score(tokens, valid)["logp_BT"], base)
-    noisy = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_seed=1).score(tokens, valid)["logp_BT"]
+    noisy = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, seed=1).score(tokens, valid)["logp_BT"]
     assert np.abs(noisy - base).max() > 1e-3
-    again = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_seed=1)
+    again = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, seed=1)
     np.testing.assert_array_equal(again.score(tokens, valid)["logp_BT"], noisy)
-    other = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_seed=2).score(tokens, valid)["logp_BT"]
+    other = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, seed=2).score(tokens, valid)["logp_BT"]
     assert np.abs(other - noisy).max() > 1e-3
     again.update_weights(hf.named_params(cfg, s), 1)  # default "fixed": same weights, new version -> same offset
     np.testing.assert_array_equal(again.score(tokens, valid)["logp_BT"], noisy)
-    fresh = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_seed=1, noise_mode="per_version")
+    fresh = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, seed=1, noise_mode="per_version")
     v0 = fresh.score(tokens, valid)["logp_BT"]
     fresh.update_weights(hf.named_params(cfg, s), 1)  # per_version: a fresh (reproducible) draw per version
     assert np.abs(fresh.score(tokens, valid)["logp_BT"] - v0).max() > 1e-3
