@@ -267,7 +267,6 @@ def _steps(run: Run, state, stream: PromptStream, prog: _Progress, evaluate, log
         if pc.mode == "async" else None
     if worker is not None:
         worker.start()
-    prog.position = stream.position
     try:
         while prog.step < pc.steps:
             state = _one_step(run, state, stream, worker, q, prog, evaluate, logger, bar, zero_grad)
