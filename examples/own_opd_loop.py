@@ -27,9 +27,9 @@ def main(student: str, teacher: str, steps: int = 20, seed: int = 0, task=None, 
                             publisher=publisher, tokenizer=tok,
                             sampling=opdjax.SamplingParams(max_new_tokens=n, stop_token_ids=(tok.eos_token_id,)))
     task = task or opdjax.get_task(D.task.name, **D.task.options)
+    held_out = opdjax.Evaluator.held_out(task, D.pipeline.eval_prompts, D.pipeline.eval_seed)
     evaluate = opdjax.Evaluator(opdjax.JaxEngine(cfg, None, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id),
-                                parts.teacher, tok, opdjax.Evaluator.held_out(task, D.pipeline.eval_prompts, seed + 7),
-                                model_cfg=cfg, max_new_tokens=n, task=task)
+                                parts.teacher, tok, held_out, model_cfg=cfg, max_new_tokens=n, task=task)
     stream, state, history = opdjax.PromptStream(task, seed=seed), parts.learner.init(params), []
     log(f"step 0: {evaluate(state.params, 0)}")
     for step in range(steps):

@@ -235,6 +235,8 @@ class PipelineConfig:
     queue_size: int = 2              # async: rollouts the engine may run ahead
     eval_every: int = 50
     eval_prompts: int = 128
+    eval_seed: int = 7               # draws the held-out prompts: one fixed set for every run seed (paired comparisons)
+    policy_movement: bool = True     # log k3 between consecutive versions on the learner's samples (one more forward)
     checkpoint_every: int = 0        # 0: only at the end
     out_dir: str = "runs/demo"
     resume: bool = False             # continue the run in out_dir from its newest checkpoint (a finished run: no-op)

@@ -157,6 +157,8 @@ class RunResult(_Record):
     train_config: dict[str, Any]
     finished: str
     reward_last: float | None = None
+    policy_step_k3_median: float | None = None   # the student's median movement per step (k3, consecutive versions)
+    eval_curve: list | None = None               # [[step, held-out reverse KL, accuracy], ...]
     reused: bool = False
 
     def to_dict(self) -> dict[str, Any]:

@@ -171,7 +171,8 @@ def phenomena_points(study: StudyConfig) -> list[Point]:
 
 
 def train_mismatch(metrics_path: pathlib.Path) -> dict[str, Any]:
-    """Mean per-step mismatch/{k3,k1,abs_log_ratio_p95} of a run, plus its divergence signs.
+    """Mean per-step mismatch/{k3,k1,abs_log_ratio_p95} of a run, plus its divergence signs and the median
+    per-step movement of the student (`policy/step_k3`, None when not logged).
 
     `nonfinite_steps` counts steps whose loss or grad norm was NaN/inf; `reward_last` (RL runs) is the mean
     reward over the last 10% of steps.
@@ -185,7 +186,16 @@ def train_mismatch(metrics_path: pathlib.Path) -> dict[str, Any]:
     if steps and "reward_mean" in steps[0]:
         out["reward_last"] = finite_mean(s.get("reward_mean") for s in tail)
     out["teacher_kl_last"] = finite_mean(s.get("teacher_kl") for s in tail)
+    moves = sorted(float(s["policy/step_k3"]) for s in steps if math.isfinite(float(s.get("policy/step_k3", "nan"))))
+    out["policy_step_k3_median"] = moves[len(moves) // 2] if moves else None
     return out
+
+
+def eval_curve(metrics_path: pathlib.Path) -> list[list[float]]:
+    """[[step, held-out reverse KL, accuracy], ...]: every evaluation of a run, the initial one included."""
+    rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
+    return [[int(r["step"]), float(r["eval/reverse_kl"]), float(r.get("eval/accuracy", float("nan")))]
+            for r in rows if "eval/reverse_kl" in r]
 
 
 def run_identity(cfg_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -238,7 +248,7 @@ def run_one(study: StudyConfig, point: Point, seed: int, log: Log = print) -> Ru
         initial_reverse_kl=summary["initial"]["eval/reverse_kl"],
         initial_accuracy=summary["initial"]["eval/accuracy"],
         probe_seconds=t1 - t0, train_seconds=t2 - t1, steps=summary["steps"],
-        **train_mismatch(run_dir / "metrics.jsonl"),
+        **train_mismatch(run_dir / "metrics.jsonl"), eval_curve=eval_curve(run_dir / "metrics.jsonl"),
         run_dir=str(run_dir), train_config=cfg_dict,
         finished=datetime.datetime.now().isoformat(timespec="seconds"),
     )

@@ -92,13 +92,14 @@ class Learner:
     micro_batches  k > 1 accumulates gradients over k micro-batches of B / k rows (rows b ≡ m mod k form micro-batch
                    m): one optimizer step, the same result as one batch of B rows (see `_grads_accumulated`)
     adapter        how to read the model (`learner.adapters`; default: opdjax's `Decoder`)
+    track_movement log `policy/step_k3`, the student's movement per step (`step_movement_k3`; one more forward)
     """
 
     def __init__(self, graphdef: nnx.GraphDef, *, loss: str = "reverse_kl_sampled",
                  loss_options: Mapping[str, Any] | None = None, correction: corrections.Correction | None = None,
                  tx: optax.GradientTransformation | None = None, schedule: optax.Schedule | None = None,
                  temperature: float = 1.0, mesh: Mesh | None = None, logprob_chunk: int = 0,
-                 micro_batches: int = 1, adapter: CausalLMAdapter | None = None):
+                 micro_batches: int = 1, adapter: CausalLMAdapter | None = None, track_movement: bool = False):
         self.graphdef = graphdef
         self.loss_name = loss
         self.loss_fn = losses.get_loss(loss)
@@ -108,6 +109,7 @@ class Learner:
         self.temperature = _check_temperature(temperature)
         self.micro_batches = _check_micro_batches(micro_batches, self.needs, correction)
         self.adapter = adapter if adapter is not None else DecoderAdapter()
+        self.track_movement = bool(track_movement)
         self.logprob_chunk = int(logprob_chunk) or None  # 0: `logprob_chunk_len` picks
         self.mesh = mesh if mesh is not None else Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1),
                                                         ("data", "fsdp", "tensor"))
@@ -178,6 +180,8 @@ class Learner:
             updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             metrics = {**m, "loss": loss, "grad_norm": optax.tree.norm(grads), "lr": self.schedule(state.step)}
+            if self.track_movement:
+                metrics["policy/step_k3"] = step_movement_k3(self, params, batch, logp_BT, temperature)
             if with_rollout:  # mismatch metrics only when the engine's log-probs came with the batch
                 mm = mismatch.metrics(jax.lax.stop_gradient(logp_BT), batch.rollout_logp_BT, batch.mask_BT)
                 metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
@@ -255,6 +259,29 @@ def micro_join(x_k):
     return jnp.swapaxes(x_k, 0, 1).reshape(-1, *x_k.shape[2:])
 
 
+def logp_by_micro_batch(learner: Learner, params, batch: Batch, temperature):
+    """logp_BT of the whole batch, computed one micro-batch at a time (no gradients kept)."""
+    k = learner.micro_batches
+    if k == 1:
+        return learner._student_logp(params, batch.tokens_BT, batch.valid_BT, temperature, False)[0]
+
+    def one(carry, xs):
+        return carry, learner._student_logp(params, *xs, temperature, False)[0]
+
+    _, logp_k = jax.lax.scan(one, None, (micro_split(batch.tokens_BT, k), micro_split(batch.valid_BT, k)))
+    return micro_join(logp_k)
+
+
+def step_movement_k3(learner: Learner, new_params, batch: Batch, old_logp_BT, temperature):
+    """The student's movement in one step: k3 estimate of KL(π_old ‖ π_new) on the batch's sampled tokens (drawn
+    from ≈ π_old), on the same scale as the mismatch k3. r = clip(logp_new − logp_old, ±20);
+    k3 = Σ mask·(e^r − r − 1) / max(Σ mask, 1)."""
+    new_BT = logp_by_micro_batch(learner, jax.lax.stop_gradient(new_params), batch, temperature)
+    r = jnp.clip(new_BT - jax.lax.stop_gradient(old_logp_BT), -20.0, 20.0)
+    mask = jnp.asarray(batch.mask_BT, jnp.float32)
+    return jnp.sum(mask * (jnp.exp(r) - r - 1.0)) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
 def _accumulate_two_pass(learner: Learner, params, batch: Batch, temperature):
     """Exact accumulation for losses of logp_BT only (see `Learner._grads_accumulated`)."""
     k = learner.micro_batches
@@ -263,8 +290,7 @@ def _accumulate_two_pass(learner: Learner, params, batch: Batch, temperature):
     def logp(p, tok, val):
         return learner._student_logp(p, tok, val, temperature, False)[0]
 
-    _, logp_k = jax.lax.scan(lambda c, xs: (c, logp(params, *xs)), None, (tok_k, val_k))
-    logp_BT = micro_join(logp_k)
+    logp_BT = logp_by_micro_batch(learner, params, batch, temperature)
     (loss, m), g_BT = jax.value_and_grad(lambda lp: learner._loss(lp, None, batch), has_aux=True)(logp_BT)
 
     def backward(acc, xs):

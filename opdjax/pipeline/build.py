@@ -181,7 +181,8 @@ def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True) -> Run:
     sampling = sampling_params(cfg, tokenizer)
     learner = Learner(graphdef, loss=cfg.loss.name, loss_options=loss_options, correction=correction, tx=tx,
                       schedule=schedule, temperature=learner_temperature(sampling), mesh=mesh,
-                      logprob_chunk=st.logprob_chunk, micro_batches=cfg.optim.micro_batches)
+                      logprob_chunk=st.logprob_chunk, micro_batches=cfg.optim.micro_batches,
+                      track_movement=cfg.pipeline.policy_movement)
     engine = make_engine(cfg, student_path, student_cfg, params, tokenizer)
     # Several learner processes: each scores its own rows, so an in-process teacher lives on its local devices.
     teacher_mesh = mesh if jax.process_count() == 1 else make_mesh((1, -1, 1), jax.local_devices())
@@ -194,11 +195,13 @@ def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True) -> Run:
 
 
 def make_evaluator(run: Run) -> Evaluator:
-    """The held-out evaluator of a run: `pipeline.eval_prompts` held-out examples (drawn with seed + 7), sampled by a
+    """The held-out evaluator of a run: `pipeline.eval_prompts` held-out examples drawn with `pipeline.eval_seed` (the
+    same set for every run seed, so seeds are compared on the same prompts), sampled by a
     clean JAX engine (no quantization, noise or staleness), scored by the run's teacher."""
     cfg, tok = run.cfg, run.tokenizer
     engine = JaxEngine(run.student_cfg, None, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
-    return Evaluator(engine, run.teacher, tok, Evaluator.held_out(run.task, cfg.pipeline.eval_prompts, cfg.seed + 7),
+    return Evaluator(engine, run.teacher, tok, Evaluator.held_out(run.task, cfg.pipeline.eval_prompts,
+                                                                  cfg.pipeline.eval_seed),
                      model_cfg=run.student_cfg, max_new_tokens=cfg.rollout.max_new_tokens, task=run.task)
 
 

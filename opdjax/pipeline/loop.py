@@ -211,7 +211,7 @@ def _resume(run: Run, state, stream: PromptStream, log) -> tuple[Any, _Progress]
     prog = _Progress(step=int(extra["step"]), dropped=int(extra["dropped"]), position=int(extra["stream_position"]),
                      saved=int(extra["step"]), initial_eval=extra.get("initial_eval"))
     stream.position = prog.position
-    publish(run.parts, state.params, prog.step)
+    publish(run.parts, state.params, prog.step, rewind=True)  # the engine may hold later versions of the lost run
     if jax.process_index() == 0:
         rundir.truncate_metrics(run.out_dir / "metrics.jsonl", prog.step)
     log(f"resumed from {ckpt_dir} at step {prog.step} (stream position {stream.position})")

@@ -16,6 +16,8 @@ rollout of unknown or unintended version; in async mode the loop's staleness bou
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import threading
@@ -363,8 +365,8 @@ class RemoteEngine:
         behind = self.published is not None and have < self.published
         if self.sync and self.published is not None and s.dialect != "vllm":  # what it serves must be the version
             behind = behind or int(info.get("version", have)) != self.published  # (weights changed behind the run)
-        if behind and last is not None:
-            self.link.push(s, *last)  # it missed versions (restarted): give it the newest before it serves
+        if behind and last is not None:  # it missed versions (restarted) or serves another: give it the run's newest
+            self.link.push(s, dataclasses.replace(last[0], rewind=True), last[1])  # whatever it held before
         elif behind:  # another learner process publishes; wait until it has resynchronised this server
             raise _Down(f"serves v{info.get('received_version')}, the run is at v{self.published}")
         if s.dialect == "vllm":  # a fresh vLLM server tags its tokens "default": give them the served version

@@ -273,7 +273,7 @@ class VllmEngine:
             n, s = bad[0]
             raise self.receiver.refuse(f"manifest v{int(version)} rejected: tensor {n!r} has shape {s}, "
                                        f"expected {self.spec.shapes[n]}")
-        self._publisher.publish(named_arrays, int(version))
+        self._publisher.publish(named_arrays, int(version), rewind=True)  # a direct replacement: any version
 
     def mark_published(self, version: int) -> None:
         """In-process engine: a publish is applied before `update_weights` returns, so there is nothing to record."""

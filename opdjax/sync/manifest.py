@@ -304,6 +304,7 @@ class Manifest:
     entries: tuple[TensorEntry, ...]
     recipe: str | None = None
     format: str = FORMAT
+    rewind: bool = False  # a resumed learner republishing its checkpoint: the one publish whose version may go back
 
     @property
     def total_bytes(self) -> int:
@@ -315,7 +316,7 @@ class Manifest:
 
     def to_json(self) -> str:
         return json.dumps({"format": self.format, "version": self.version, "model_type": self.model_type,
-                           "dtype": self.dtype, "recipe": self.recipe,
+                           "dtype": self.dtype, "recipe": self.recipe, "rewind": self.rewind,
                            "entries": [e.to_dict() for e in self.entries]}, separators=(",", ":"))
 
     @classmethod
@@ -327,9 +328,12 @@ class Manifest:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             got = d.get("format") if isinstance(d, dict) else type(d).__name__
             raise BridgeError(f"manifest format {got!r} is not {FORMAT!r}")
+        if not isinstance(d.get("rewind", False), bool):
+            raise BridgeError(f"malformed manifest: 'rewind' must be true or false, got {d.get('rewind')!r:.40}")
         try:
             return cls(version=int(d["version"]), model_type=str(d["model_type"]), dtype=str(d["dtype"]),
-                       entries=tuple(TensorEntry.from_dict(e) for e in d["entries"]), recipe=d.get("recipe"))
+                       entries=tuple(TensorEntry.from_dict(e) for e in d["entries"]), recipe=d.get("recipe"),
+                       rewind=d.get("rewind", False))
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, BridgeError):
                 raise
@@ -337,7 +341,7 @@ class Manifest:
 
 
 def build_manifest(version: int, model_type: str, dtype: str, tensors: Iterable[tuple[str, Any, dict]], *,
-                   recipe: str | None = None, checksums: bool = True) -> Manifest:
+                   recipe: str | None = None, checksums: bool = True, rewind: bool = False) -> Manifest:
     """A manifest for (name, array, extra) triples in payload order (`extra` holds quant / scale_of)."""
     tensors = list(tensors)
     crcs = checksum_many(np.asarray(a) for _, a, _ in tensors) if checksums else [None] * len(tensors)
@@ -350,7 +354,7 @@ def build_manifest(version: int, model_type: str, dtype: str, tensors: Iterable[
                                    **extra))
         offset += nbytes
     return Manifest(version=int(version), model_type=model_type, dtype=dtype_name(dtype), entries=tuple(entries),
-                    recipe=recipe)
+                    recipe=recipe, rewind=bool(rewind))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -82,14 +82,16 @@ def hf_stream(cfg: ModelConfig, params: nnx.State | Mapping[str, Any], *, dtype:
 
 
 def prepare(cfg: ModelConfig, params: nnx.State | Mapping[str, Any], version: int, *, dtype: Any = "bfloat16",
-            recipe: quant.Recipe | str | None = None, checksums: bool = True) -> tuple[Manifest, list[Any]]:
-    """(manifest, arrays in payload order) of one publish. checksums=False skips the CRC-32s (in-process)."""
+            recipe: quant.Recipe | str | None = None, checksums: bool = True,
+            rewind: bool = False) -> tuple[Manifest, list[Any]]:
+    """(manifest, arrays in payload order) of one publish. checksums=False skips the CRC-32s (in-process); rewind
+    marks a resumed learner's republish, the one publish whose version may be older than the engine's."""
     triples = list(hf_stream(cfg, params, dtype=dtype, recipe=recipe))
     rec = quant.as_recipe(recipe)
     if checksums:
         triples = [(n, np.asarray(a), e) for n, a, e in triples]
     manifest = build_manifest(version, cfg.model_type, jnp.dtype(dtype), triples,
-                              recipe=None if rec.is_noop else rec.name, checksums=checksums)
+                              recipe=None if rec.is_noop else rec.name, checksums=checksums, rewind=rewind)
     return manifest, [a for _, a, _ in triples]
 
 
@@ -109,10 +111,13 @@ class Publisher:
         self.recipe = quant.as_recipe(recipe)
         self.last_stats: dict[str, Any] = {}
 
-    def publish(self, params: nnx.State | Mapping[str, Any], version: int) -> Manifest | None:
+    def publish(self, params: nnx.State | Mapping[str, Any], version: int, *, rewind: bool = False
+                ) -> Manifest | None:
+        """Send params as `version` (engines refuse a version older than they received unless `rewind`: a resumed
+        learner republishing its checkpoint)."""
         t0 = time.perf_counter()
         manifest, arrays = prepare(self.cfg, params, version, dtype=self.dtype, recipe=self.recipe,
-                                   checksums=getattr(self.transport, "needs_checksums", True))
+                                   checksums=getattr(self.transport, "needs_checksums", True), rewind=rewind)
         if jax.process_index() != 0 and not self.every_process:
             return None
         t1 = time.perf_counter()

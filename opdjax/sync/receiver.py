@@ -101,6 +101,10 @@ class WeightReceiver:
         """Validate a manifest against the spec only (transports call this before moving any payload)."""
         if manifest.version < 0:
             raise self.refuse(f"manifest v{manifest.version} rejected: a weight version is a non-negative integer")
+        if manifest.version < self.received_version and not manifest.rewind:
+            raise self.refuse(f"manifest v{manifest.version} rejected: versions only go forward (this engine has "
+                              f"received v{self.received_version}); a resumed learner republishes its checkpoint "
+                              f"with rewind=true")
         try:
             validate(manifest, self.spec, served_version=self.version)
         except BridgeError as e:

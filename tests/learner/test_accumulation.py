@@ -119,3 +119,20 @@ def test_a_model_of_your_own_trains_through_the_logits_adapter():
     for _ in range(2):
         state, m = learner.train_step(state, batch)
     assert m["loss"] < m0["loss"]
+
+
+def test_step_movement_is_the_k3_between_consecutive_versions():
+    """`policy/step_k3` = k3 estimate of KL(old ‖ new) on the batch's tokens, recomputed here from `Learner.logp`
+    before and after the step (the same numbers the step saw)."""
+    graphdef, params = nnx.split(decoder.create(CFG, seed=3))
+    batch = _batch()
+    for k in (1, 2):
+        learner = Learner(graphdef, tx=optax.sgd(1.0), micro_batches=k, temperature=0.9, track_movement=True)
+        state = learner.init(params)
+        old = learner.logp(state.params, batch["tokens_BT"], batch["valid_BT"])
+        state, m = learner.train_step(state, batch)
+        new = learner.logp(state.params, batch["tokens_BT"], batch["valid_BT"])
+        r, mask = new.astype(np.float64) - old, batch["mask_BT"]
+        want = np.sum(mask * (np.exp(r) - r - 1)) / mask.sum()
+        assert want > 0
+        np.testing.assert_allclose(m["policy/step_k3"], want, rtol=1e-3, atol=1e-9)

@@ -69,6 +69,26 @@ def test_a_run_against_servers_trains_as_the_same_run_in_process(pair, tmp_path,
     np.testing.assert_allclose(remote["final"]["eval/reverse_kl"], local["final"]["eval/reverse_kl"], rtol=1e-3)
 
 
+@pytest.mark.slow  # two short runs against servers
+def test_a_resumed_run_rewinds_a_server_that_holds_later_versions(pair, tmp_path, token_file):
+    """Issue 29: versions only go forward, except a resumed learner's republish. The run dies after its step-4
+    results but its newest checkpoint is step 2: the server holds v4, the resumed learner republishes v2 (rewind)
+    and trains on from there, every rollout of the version it expects."""
+    import shutil
+
+    with EngineServer(engine=_engine(pair[0]), token=TOKEN) as rs:
+        ends = [f"rollout.endpoints=[127.0.0.1:{rs.port}]", f"sync.token_file={token_file}",
+                "pipeline.checkpoint_every=2", "pipeline.eval_every=0"]
+        pipeline.train(_cfg(pair, tmp_path, *ends), log=lambda s: None)
+        assert rs.engine.version == 4
+        shutil.rmtree(tmp_path / "run" / "checkpoints" / "4")  # lost with the run
+        out = pipeline.train(_cfg(pair, tmp_path, *ends, "pipeline.steps=5", "pipeline.resume=true"),
+                             log=lambda s: None)
+        assert out["steps"] == 5 and rs.engine.version == 5
+    steps = _steps(tmp_path)
+    assert [x["step"] for x in steps] == [1, 2, 3, 4, 5] and all(x["staleness"] == 0 for x in steps)
+
+
 def test_wrong_tokens_are_refused_on_generate_and_on_publish(pair):
     engine = _engine(pair[0])
     mcfg = ModelConfig.from_dir(pair[0])

@@ -228,3 +228,27 @@ def test_a_negative_version_or_a_zero_quant_block_is_refused_with_a_status(cfg, 
         s.close()
     assert not status["ok"] and "quant block [0, 0]" in status["error"]
     assert target.applied == [] and target.version == 1
+
+
+def test_versions_only_go_forward_except_a_resumed_learners_rewind(cfg, params):
+    """Issue 29: publish versions going backwards (3 -> 0) were accepted. Now refused, named, nothing touched; the
+    one legitimate way back — a resumed learner republishing its checkpoint — says so with rewind, also over TCP."""
+    from opdjax.sync import TcpReceiverServer, TcpTransport
+    from tests.sync.test_transports import TOKEN
+
+    target, rx = _receiver(cfg, "float32", version=0)
+    rx.receive(*prepare(cfg, params, 3, dtype="float32"))
+    rx.receive(*prepare(cfg, params, 3, dtype="float32"))  # the same version again (a resync) is fine
+    with pytest.raises(BridgeError, match="v1 rejected: versions only go forward .*received v3"):
+        rx.receive(*prepare(cfg, params, 1, dtype="float32"))
+    assert target.applied == [3, 3] and target.version == 3
+    with TcpReceiverServer(rx, TOKEN) as srv:
+        tx = TcpTransport("127.0.0.1", srv.port, TOKEN)
+        with pytest.raises(BridgeError, match="versions only go forward"):
+            tx.send(*prepare(cfg, params, 2, dtype="float32"))
+        m, arrays = prepare(cfg, params, 2, dtype="float32", rewind=True)
+        assert Manifest.from_json(m.to_json()).rewind
+        tx.send(m, arrays)
+    assert target.applied == [3, 3, 2] and target.version == 2
+    with pytest.raises(BridgeError, match="'rewind' must be true or false"):
+        Manifest.from_json(m.to_json().replace('"rewind":true', '"rewind":"yes"'))
