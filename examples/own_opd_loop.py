@@ -14,7 +14,8 @@ from opdjax.pipeline.opd import rollout_seed
 D = opdjax.TrainConfig()  # the library's default hyper-parameters (their one source), read, not a config file
 
 
-def main(student: str, teacher: str, steps: int = 20, seed: int = 0, task=None, log=print) -> list[dict]:
+def main(student: str, teacher: str, steps: int = 20, seed: int = 0, task=None, batch_size: int = D.rollout.batch_size,
+         eval_prompts: int = D.pipeline.eval_prompts, log=print) -> list[dict]:
     tok, cfg, mesh = load_tokenizer(student), opdjax.ModelConfig.from_dir(student), make_mesh(D.mesh.shape)
     graphdef, params = hf.load_state(student, cfg)
     o, n = D.optim, D.rollout.max_new_tokens
@@ -27,13 +28,13 @@ def main(student: str, teacher: str, steps: int = 20, seed: int = 0, task=None, 
                             publisher=publisher, tokenizer=tok,
                             sampling=opdjax.SamplingParams(max_new_tokens=n, stop_token_ids=(tok.eos_token_id,)))
     task = task or opdjax.get_task(D.task.name, **D.task.options)
-    held_out = opdjax.Evaluator.held_out(task, D.pipeline.eval_prompts, D.pipeline.eval_seed)
+    held_out = opdjax.Evaluator.held_out(task, eval_prompts, D.pipeline.eval_seed)
     evaluate = opdjax.Evaluator(opdjax.JaxEngine(cfg, None, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id),
                                 parts.teacher, tok, held_out, model_cfg=cfg, max_new_tokens=n, task=task)
     stream, state, history = opdjax.PromptStream(task, seed=seed), parts.learner.init(params), []
     log(f"step 0: {evaluate(state.params, 0)}")
     for step in range(steps):
-        state, m = opdjax.opd_step(parts, state, stream.next(D.rollout.batch_size), seed=rollout_seed(seed, step))
+        state, m = opdjax.opd_step(parts, state, stream.next(batch_size), seed=rollout_seed(seed, step))
         history.append(m)
     history[-1].update(evaluate(state.params, steps))
     log(f"step {steps}: loss {history[-1]['loss']:.4f}, held-out reverse KL {history[-1]['eval/reverse_kl']:.3f}")

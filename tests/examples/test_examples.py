@@ -52,12 +52,14 @@ def test_quantize_weights_example_measures_an_error_and_a_k3(capsys):
 def test_own_opd_loop_equals_opdjax_train(pair, tmp_path):
     steps = 3
     cfg = load(TrainConfig, None, [f"student={pair[0]}", f"teacher={pair[1]}", f"pipeline.steps={steps}",
-                                   "pipeline.eval_every=0", "pipeline.progress=false", "pipeline.tensorboard=false",
+                                   "rollout.batch_size=16", "pipeline.eval_prompts=32", "pipeline.eval_every=0",
+                                   "pipeline.progress=false", "pipeline.tensorboard=false",
                                    f"pipeline.out_dir={tmp_path / 'run'}"])
     summary = loop.train(cfg, log=lambda s: None)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     want = [x["loss"] for x in lines if "loss" in x]
-    history = _example("own_opd_loop")(pair[0], pair[1], steps=steps, log=lambda s: None)
+    history = _example("own_opd_loop")(pair[0], pair[1], steps=steps, batch_size=16, eval_prompts=32,
+                                       log=lambda s: None)
     np.testing.assert_allclose([m["loss"] for m in history], want, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(history[-1]["eval/reverse_kl"], summary["final"]["eval/reverse_kl"], rtol=1e-5)
 
