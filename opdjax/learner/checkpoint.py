@@ -8,9 +8,14 @@ from typing import Any, Mapping
 import jax
 import orbax.checkpoint as ocp
 
+from opdjax.core.errors import InputError
 from opdjax.learner.learner import TrainState
 
-__all__ = ["latest_step", "restore_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointMismatchError", "latest_step", "restore_checkpoint", "save_checkpoint"]
+
+
+class CheckpointMismatchError(InputError):
+    """A checkpoint that does not fit the state it is restored into (another model size, another optimizer)."""
 
 def save_checkpoint(directory: str | pathlib.Path, state: TrainState, extra: Mapping[str, Any],
                     max_to_keep: int = 2) -> None:
@@ -40,8 +45,14 @@ def restore_checkpoint(directory: str | pathlib.Path, like: TrainState,
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {p}")
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _as_tree(like))
-        out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                         extra=ocp.args.JsonRestore()))
+        try:
+            out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                             extra=ocp.args.JsonRestore()))
+        except (ValueError, KeyError, TypeError) as e:  # another model's (or optimizer's) state in the directory
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise CheckpointMismatchError(f"{p}: checkpoint step {step} does not fit this run's model and optimizer "
+                                          f"({first}); resume with the model it was trained with, or start a fresh "
+                                          f"run (pipeline.overwrite=true)") from e
     restored = out["state"]
     # Orbax hands back plain containers; put the leaves back into the live structure (nnx Variables, optax tuples).
     state = TrainState(**{k: jax.tree.unflatten(jax.tree.structure(getattr(like, k)), jax.tree.leaves(restored[k]))

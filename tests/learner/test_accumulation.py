@@ -8,6 +8,8 @@ jax.nn.log_softmax on the model's logits.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,3 +138,18 @@ def test_step_movement_is_the_k3_between_consecutive_versions():
         want = np.sum(mask * (np.exp(r) - r - 1)) / mask.sum()
         assert want > 0
         np.testing.assert_allclose(m["policy/step_k3"], want, rtol=1e-3, atol=1e-9)
+
+
+def test_a_checkpoint_of_another_model_size_is_a_one_line_error(tmp_path):
+    """Issue 29 (also seen): resuming into a run directory that holds another model's checkpoint gave a 70-line orbax
+    traceback. It is one `CheckpointMismatchError` (an InputError: the CLI prints one line) naming the directory."""
+    from opdjax.learner import CheckpointMismatchError, restore_checkpoint, save_checkpoint
+
+    small = dataclasses.replace(CFG, intermediate_size=32)
+    states = []
+    for cfg in (CFG, small):
+        graphdef, params = nnx.split(decoder.create(cfg, seed=3))
+        states.append(Learner(graphdef, tx=optax.sgd(1.0)).init(params))
+    save_checkpoint(tmp_path / "ckpt", states[0], {"step": 0})
+    with pytest.raises(CheckpointMismatchError, match="checkpoint step 0 does not fit this run's model"):
+        restore_checkpoint(tmp_path / "ckpt", states[1])
