@@ -27,11 +27,11 @@ demo: $(VENV)/.core
 	$(BIN)/opdjax train pipeline.overwrite=true
 
 test: $(VENV)/.test
-	OPDJAX_REQUIRE_VLLM=$${OPDJAX_REQUIRE_VLLM:-1} $(BIN)/python -m pytest -q -n 2 --dist loadfile
+	OPDJAX_REQUIRE_VLLM=$${OPDJAX_REQUIRE_VLLM:-1} $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The quick loop: everything but the tests marked `slow` (real processes, vLLM, end-to-end runs, benchmarks).
 test-quick: $(VENV)/.test
-	OPDJAX_REQUIRE_VLLM=$${OPDJAX_REQUIRE_VLLM:-1} $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
+	OPDJAX_REQUIRE_VLLM=$${OPDJAX_REQUIRE_VLLM:-1} $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
 
 docs: $(VENV)/.test
 	$(BIN)/mkdocs build --strict --site-dir site

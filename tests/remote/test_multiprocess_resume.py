@@ -21,8 +21,7 @@ def test_a_dead_learner_process_stops_the_job_and_a_resumed_job_continues_exactl
     # process 0 once finished the last 4 before its peer was gone (exit 0, nothing to resume).
     steps = ("pipeline.steps=40", "pipeline.checkpoint_every=8")
     straight = tmp_path / "straight"
-    for rc, _, err in _wait(_learners(pair, straight, *steps, devices=3)):
-        assert rc == 0, err[-3000:]
+    reference = _learners(pair, straight, *steps, devices=3)  # the uninterrupted job, alongside (it only reads)
     out = tmp_path / "run"
     procs = _learners(pair, out, *steps, devices=3)
     deadline = time.time() + 300
@@ -35,6 +34,8 @@ def test_a_dead_learner_process_stops_the_job_and_a_resumed_job_continues_exactl
     ours = rc0 == 3 and "lost a peer" in err0 and "pipeline.resume=true" in err0
     assert ours or (rc0 != 0 and "another task died" in err0), err0[-2000:]
     for rc, _, err in _wait(_learners(pair, out, *steps, "pipeline.resume=true", devices=3)):
+        assert rc == 0, err[-3000:]
+    for rc, _, err in _wait(reference):
         assert rc == 0, err[-3000:]
     a = json.loads((straight / "summary.json").read_text())
     b = json.loads((out / "summary.json").read_text())
