@@ -277,9 +277,8 @@ def step_movement_k3(learner: Learner, new_params, batch: Batch, old_logp_BT, te
     from ≈ π_old), on the same scale as the mismatch k3. r = clip(logp_new − logp_old, ±20);
     k3 = Σ mask·(e^r − r − 1) / max(Σ mask, 1)."""
     new_BT = logp_by_micro_batch(learner, jax.lax.stop_gradient(new_params), batch, temperature)
-    r = jnp.clip(new_BT - jax.lax.stop_gradient(old_logp_BT), -20.0, 20.0)
-    mask = jnp.asarray(batch.mask_BT, jnp.float32)
-    return jnp.sum(mask * (jnp.exp(r) - r - 1.0)) / jnp.maximum(jnp.sum(mask), 1.0)
+    r_BT = mismatch.log_ratio(new_BT, jax.lax.stop_gradient(old_logp_BT))
+    return mismatch.masked_mean(mismatch.estimator_terms(r_BT, "k3"), jnp.asarray(batch.mask_BT, bool))
 
 
 def _accumulate_two_pass(learner: Learner, params, batch: Batch, temperature):

@@ -4,6 +4,7 @@ it is given.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
@@ -48,9 +49,7 @@ class Evaluator:
     def _accuracy(self, prompts) -> float:
         if self.task is None:
             return float("nan")
-        greedy = self.engine.generate(prompts, SamplingParams(max_new_tokens=self.sampling.max_new_tokens,
-                                                              temperature=0.0,
-                                                              stop_token_ids=self.sampling.stop_token_ids), seed=0)
+        greedy = self.engine.generate(prompts, dataclasses.replace(self.sampling, temperature=0.0), seed=0)
         grades = [self.task.grade(ex, txt) for ex, txt in zip(self.examples, completion_texts(self.tokenizer, greedy))]
         graded = [g for g in grades if g is not None]
         return float(np.mean(graded)) if graded else float("nan")
