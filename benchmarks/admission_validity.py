@@ -150,8 +150,7 @@ def main(argv=None) -> int:
             log(f"{c} seed {s}: RKL {rec.reverse_kl:.3f}, acc {rec.accuracy:.3f}"
                 f"{' (reused)' if rec.reused else ''}")
         losses = fit.quality_losses(recs, baseline, study.quality)
-        q = float(sum(losses) / len(losses))
-        ci = fit.mean_ci(losses)
+        q, ci = fit.point_effect(recs, baseline, study.quality)  # the baseline's seeds resampled too
         runs = fit.runs_verdict(ci, bj["delta"])
         rows.append({"candidate": c, "m": a["m"], "ci": [a["ci_low"], a["ci_high"]], "verdict": a["verdict"],
                      "batches": a["batches"], "reason": a["reason"], "probe_seconds": a["seconds"],

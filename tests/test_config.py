@@ -15,10 +15,10 @@ def test_overrides_and_shortcuts(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("rollout:\n  temperature: 0.7\npipeline:\n  steps: 3\n")
     cfg = load(TrainConfig, p, ["pipeline.steps=5", "student=/some/dir", "teacher.engine=jax", "optim.lr=1e-3",
-                               "mesh.shape=[2,2,2]", "loss.options={discount: 0.9}", "prompts=/x.jsonl"])
+                               "mesh.shape=[2,2,2]", "loss.options={tail: false}", "prompts=/x.jsonl"])
     assert cfg.rollout.temperature == 0.7 and cfg.pipeline.steps == 5
     assert cfg.student.path == "/some/dir" and cfg.teacher.path == "builtin"
-    assert cfg.optim.lr == 1e-3 and cfg.mesh.shape == (2, 2, 2) and cfg.loss.options == {"discount": 0.9}
+    assert cfg.optim.lr == 1e-3 and cfg.mesh.shape == (2, 2, 2) and cfg.loss.options == {"tail": False}
     assert cfg.task.name == "jsonl" and cfg.task.options["path"] == "/x.jsonl"
 
 

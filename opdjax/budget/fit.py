@@ -1,9 +1,14 @@
-"""Fitting the budget: per-seed quality losses, the isotonic (or first-failure) fit of B, one point's aggregate
-over seeds, and how sure each of them is:
+"""Fitting the budget: per-seed quality losses, one point's aggregate over seeds, the fit of B, and how sure each
+of them is. A point's quality loss is `dose.level_effect` of its runs against the baseline's runs (reverse KL: the
+ratio of geometric means - 1, so one stalled seed cannot decide it), with `dose.effect_ci` (both sides resampled).
 
-    mean_ci          a percentile bootstrap CI of a mean over seeds (a point's quality loss)
-    runs_verdict     admit / reject / borderline: a configuration's full-run verdict from that CI and delta
-    budget_interval  B's own interval: B refitted on seeds resampled within every point (and the baseline)
+    baseline_stats   the baseline's reference values: geometric-mean reverse KL, mean accuracy, per-seed values
+    point_effect     a point's quality loss and its CI against the baseline runs
+    hinge_fit        fit "hinge" (default): B from a dose-response hinge over every run, stratified-bootstrap CI
+    fit_budget       fits "isotonic" / "first_failure" over the points' quality losses
+    mean_ci          a percentile bootstrap CI of a mean over seeds
+    runs_verdict     admit / reject / borderline: a configuration's full-run verdict from a CI and delta
+    budget_interval  B's interval for the point fits: refitted on seeds resampled within every point and the baseline
     knee_bracket     [largest M within tolerance, smallest M beyond] around B, and whether it is narrow enough
 """
 
@@ -14,34 +19,67 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from opdjax.budget import dose
+from opdjax.budget.dose import CI_LEVEL, QUALITIES, runs_verdict
 from opdjax.budget.records import Point, RunResult
 
-__all__ = ["FITS", "QUALITIES", "aggregate", "budget_interval", "finite_mean", "fit_budget", "knee_bracket",
-           "mean_ci", "monotone_q_loss", "quality_losses", "runs_verdict", "straddles"]
+__all__ = ["CI_LEVEL", "FITS", "QUALITIES", "aggregate", "baseline_stats", "budget_interval", "finite_mean",
+           "fit_budget", "hinge_fit", "knee_bracket", "mean_ci", "monotone_q_loss", "point_effect", "quality_losses",
+           "runs_verdict", "straddles"]
 
-CI_LEVEL = 0.95  # of every bootstrap interval here
-
-
-QUALITIES = ("reverse_kl", "accuracy")
-
-
-FITS = ("isotonic", "first_failure")
+FITS = ("hinge", "isotonic", "first_failure")
 
 
 def _field(r: RunResult | Mapping[str, Any], key: str) -> Any:
     return r[key] if isinstance(r, Mapping) else getattr(r, key)
 
 
-def quality_losses(records: Sequence[Mapping], baseline: Mapping[str, float], quality: str) -> list[float]:
-    """Per-seed quality loss against the baseline means (NaN/inf final quality -> +inf loss).
+def baseline_stats(values: Mapping[str, Sequence[float]]) -> dict[str, Any]:
+    """The baseline's reference values from its seeds' final {"reverse_kl": [...], "accuracy": [...]} (and
+    optionally "initial_reverse_kl" / "initial_accuracy"): "reverse_kl" is the reverse KL of the mean
+    `dose.run_scores` (a geometric mean of rkl + 0.1 nats, less the 0.1: the reference the per-seed losses and the
+    point effects share), "accuracy" the mean; the
+    per-seed lists are kept as "<key>_seeds"."""
+    rkl, acc = list(values["reverse_kl"]), list(values["accuracy"])
+    out = {"reverse_kl": dose.reverse_kl_of_score(float(dose.run_scores(rkl, "reverse_kl").mean())),
+           "accuracy": float(np.mean(acc)),
+           "reverse_kl_seeds": rkl, "accuracy_seeds": acc}
+    for k in ("initial_reverse_kl", "initial_accuracy"):
+        if k in values:
+            out[k] = float(np.mean(values[k]))
+    return out
 
-    reverse_kl: (rkl - rkl_base) / rkl_base;  accuracy: acc_base - acc.
+
+def point_effect(records: Sequence[RunResult | Mapping], baseline: Mapping[str, Any], quality: str, **kw: Any
+                 ) -> tuple[float, list[float]]:
+    """(quality loss, its CI) of a point's runs against the baseline's seeds (`baseline_stats`): `dose.level_effect`
+    and `dose.effect_ci` (kw: n, seed, level) of the runs' scores. The baseline point itself gets 0 and the CI of
+    the baseline resampled against itself (the smallest effect the design resolves)."""
+    key = _key(quality)
+    y = dose.run_scores([_field(r, key) for r in records], quality)
+    yb = dose.run_scores(baseline[f"{key}_seeds"], quality)
+    return dose.level_effect(y, yb, quality), list(dose.effect_ci(y, yb, quality, **kw))
+
+
+def _key(quality: str) -> str:
+    if quality not in QUALITIES:
+        raise ValueError(f"quality {quality!r} is not valid; choose one of {list(QUALITIES)}")
+    return "reverse_kl" if quality == "reverse_kl" else "accuracy"
+
+
+def quality_losses(records: Sequence[Mapping], baseline: Mapping[str, float], quality: str) -> list[float]:
+    """Per-seed quality loss against the baseline's reference (`baseline_stats`; NaN/inf final quality -> +inf).
+
+    reverse_kl: (rkl + c) / (rkl_base + c) - 1, c = `dose.RKL_OFFSET` (rkl clipped at 0, rkl_base from
+    `baseline_stats`);  accuracy: acc_base - acc.
+    A point's loss is not the mean of these but `point_effect` (the geometric mean of 1 + q, - 1).
     """
     out = []
     for r in records:
         if quality == "reverse_kl":
             x, base = _field(r, "reverse_kl"), baseline["reverse_kl"]
-            q = (x - base) / max(abs(base), 1e-9)
+            q = (max(x, 0.0) + dose.RKL_OFFSET) / (max(base, 0.0) + dose.RKL_OFFSET) - 1 if x is not None else 0.0
+            # (a NaN / inf / missing x becomes +inf below)
         else:
             x, base = _field(r, "accuracy"), baseline["accuracy"]
             q = base - x
@@ -119,8 +157,10 @@ def finite_mean(xs) -> float:
 
 
 def aggregate(point: Point, recs: Sequence[Mapping], baseline: Mapping[str, float], quality: str) -> dict[str, Any]:
-    """One row of budget.json's `points`: means over seeds, CI union, per-seed values and spread."""
+    """One row of budget.json's `points`: the quality loss and its CI (`point_effect`), means over seeds, the probe
+    CIs' union, per-seed values and spread."""
     losses = quality_losses(recs, baseline, quality)
+    q_loss, q_ci = point_effect(recs, baseline, quality)
     probes = [r.m_probe for r in recs if r.m_probe is not None]
     row = {
         "id": point.id, "group": point.group, "knob": point.knob, "value": point.value, "label": point.label,
@@ -132,7 +172,7 @@ def aggregate(point: Point, recs: Sequence[Mapping], baseline: Mapping[str, floa
         "m_train_abs_log_ratio_p95": finite_mean(r.m_train_abs_log_ratio_p95 for r in recs),
         "q_reverse_kl": float(np.mean([r.reverse_kl for r in recs])),
         "q_accuracy": float(np.mean([r.accuracy for r in recs])),
-        "q_loss": float(np.mean(losses)),
+        "q_loss": q_loss, "q_loss_ci": q_ci,
         "q_loss_spread": _spread(losses),
         "seeds": [{"seed": r.seed, "m_probe": r.m_probe, "m_train": r.m_train_k3,
                    "reverse_kl": r.reverse_kl, "accuracy": r.accuracy, "q_loss": q,
@@ -164,42 +204,55 @@ def mean_ci(xs: Sequence[float], *, n: int = 2000, seed: int = 0, level: float =
     return back(lo), back(hi)
 
 
-def runs_verdict(ci: Sequence[float], delta: float) -> str:
-    """A configuration's full-run verdict from the CI of its mean quality loss over seeds:
-    "admit" (ci_high <= delta), "reject" (ci_low > delta), "borderline" (the CI contains delta: the seeds do not
-    decide it, so it is neither agreement nor disagreement for a probe)."""
-    lo, hi = ci
-    if hi <= delta:
-        return "admit"
-    if lo > delta:
-        return "reject"
-    return "borderline"
-
-
 def budget_interval(rows: Sequence[Mapping[str, Any]], quality: str, delta: float, method: str = "isotonic", *,
                     n: int = 1000, seed: int = 0, level: float = CI_LEVEL) -> tuple[float, float]:
-    """Percentile interval of B over bootstrap resamples of seeds.
+    """Percentile interval of B (fits "isotonic" / "first_failure") over bootstrap resamples of seeds.
 
     rows: budget.json's sweep rows (`aggregate` output: "m_probe", "knob", and per-seed "reverse_kl"/"accuracy"
     under "seeds"); the row with knob "baseline" is the baseline. Each resample draws every point's seeds with
-    replacement (the baseline's draw also sets the baseline mean), recomputes each point's mean quality loss, and
-    refits B with `fit_budget`; M stays each point's probe M.
+    replacement (the baseline's too), recomputes each point's quality loss against the drawn baseline
+    (`dose.level_effect`) and refits B with `fit_budget`; M stays each point's probe M.
     """
-    key = "reverse_kl" if quality == "reverse_kl" else "accuracy"
-    vals = [np.asarray([s[key] for s in r["seeds"]], np.float64) for r in rows]
+    key = _key(quality)
+    ys = [dose.run_scores([s[key] for s in r["seeds"]], quality) for r in rows]
     base = next(i for i, r in enumerate(rows) if r["knob"] == "baseline")
     rng = np.random.default_rng(seed)
     bs = []
     for _ in range(n):
-        draws = [v[rng.integers(0, v.size, v.size)] for v in vals]
-        b = float(draws[base].mean())
-        pts = []
-        for r, d in zip(rows, draws):
-            q = quality_losses([{key: x} for x in d], {key: b}, quality)
-            pts.append({"m": r["m_probe"], "q_loss": float(np.mean(q))})
+        draws = [y[rng.integers(0, y.size, y.size)] for y in ys]
+        pts = [{"m": r["m_probe"], "q_loss": dose.level_effect(d, draws[base], quality)} for r, d in zip(rows, draws)]
         bs.append(fit_budget(pts, delta, method)[0])
     lo, hi = np.quantile(bs, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)
+
+
+def hinge_fit(rows: Sequence[Mapping[str, Any]], quality: str, delta: float, factor: float, *, n: int = 1000,
+              seed: int = 0) -> tuple[float, list[float], dict[str, Any]]:
+    """Fit "hinge": B and its 95% interval from `dose.budget_bootstrap` over every run of the sweep rows (x = the
+    run's probe ln M, y = its `dose.run_scores`; groups = the points, the baseline's seeds resampled too), and the
+    bracket: the measured M just within (<= B) and just beyond B, and `resolved` iff B is finite, no larger than the
+    largest M measured (a knee found, not extrapolated), and the interval spans at most `factor` (hi / lo).
+    Returns (B, [lo, hi], bracket)."""
+    key = _key(quality)
+    runs = [(s["m_probe"], s[key], "baseline" if r["knob"] == "baseline" else r["id"])
+            for r in rows for s in r["seeds"] if s.get("m_probe") is not None]
+    m_R, v_R, g_R = (list(c) for c in zip(*runs)) if runs else ([], [], [])
+    boot = dose.budget_bootstrap(m_R, dose.run_scores(v_R, quality), g_R, quality, delta, n=n, seed=seed)
+    b, (lo, hi) = boot["budget"], boot["ci"]
+    ms = sorted({float(m) for m, _, g in runs if g != "baseline"})
+    within = max((m for m in ms if m <= b), default=None)
+    beyond = min((m for m in ms if m > b), default=None)
+    span = boot["span"]
+    if not math.isfinite(b):
+        why = "the fitted quality loss does not rise with M (no knee)"
+    elif beyond is None:
+        why = f"B = {b:.3g} lies beyond the largest M measured ({ms[-1]:.3g}): an extrapolation, not a knee"
+    else:
+        why = f"B's 95% interval spans x{span:.3g} {'<=' if span <= factor else '>'} {factor:g}"
+    resolved = bool(math.isfinite(b) and beyond is not None and span <= factor)
+    bracket = {"within": within, "beyond": beyond, "ratio": span, "factor": float(factor), "resolved": resolved,
+               "method": "hinge", "why": why, "fit": boot["fit"], "unbounded_share": boot["unbounded_share"]}
+    return float(b), [float(lo), float(hi)], bracket
 
 
 def knee_bracket(points: Sequence[Mapping[str, Any]], budget: float, delta: float, factor: float,

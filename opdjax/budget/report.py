@@ -68,7 +68,9 @@ def plot(path: pathlib.Path, result: Mapping[str, Any]) -> None:
             ci = r["m_probe_ci"] or [m, m]
             xerr = None if r["knob"] == "baseline" else [[max(x - max(ci[0], floor), 0)], [max(ci[1] - x, 0)]]
             fin = [v for v in ys if math.isfinite(v)]
-            yerr = [[y - min(fin)], [max(fin) - y]] if fin and math.isfinite(y) else None
+            span = r.get("q_loss_ci") if key == "q_loss" else None  # the point's CI; accuracy: the seeds' range
+            span = span if span and all(math.isfinite(v) for v in span) else ([min(fin), max(fin)] if fin else None)
+            yerr = [[max(y - span[0], 0.0)], [max(span[1] - y, 0.0)]] if span and math.isfinite(y) else None
             label = r["knob"] if r["knob"] not in seen else None
             seen.add(r["knob"])
             ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt=marker, color=colour, ms=8, capsize=3, label=label,
@@ -79,14 +81,18 @@ def plot(path: pathlib.Path, result: Mapping[str, Any]) -> None:
         ax.set_xscale("log")
         ax.set_xlabel(f"M = probe {result['metric']} (engine vs learner, log scale; baseline at left edge)")
         ax.set_ylabel(ylab)
-        if result["budget"] > 0:
-            ax.axvline(result["budget"], color="tab:red", ls="--", label=f"budget B = {result['budget']:.3g}")
+        if result["budget"] > 0 and math.isfinite(result["budget"]):
+            resolved = result.get("status", "RESOLVED") == "RESOLVED"
+            ax.axvline(result["budget"], color="tab:red" if resolved else "tab:gray", ls="--",
+                       label=f"budget B = {result['budget']:.3g}" if resolved else
+                       f"UNRESOLVED (the fit's B = {result['budget']:.3g} is not a budget)")
         if key == "q_loss":
             ax.axhline(result["delta"], color="tab:red", ls=":", label=f"tolerance delta = {result['delta']}")
             ax.set_yscale("symlog", linthresh=1.0)  # linear near the tolerance, log for diverged runs
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8, loc="best")
-    fig.suptitle("Mismatch budget: quality vs mismatch (mean ± seed range; hollow = outside tolerance)")
+    fig.suptitle("Mismatch budget: quality vs mismatch (quality loss ± its 95% CI, accuracy ± seed range; "
+                 "hollow = outside tolerance)")
     fig.tight_layout()
     tmp = pathlib.Path(path).with_name(f".{pathlib.Path(path).name}.tmp{pathlib.Path(path).suffix}")
     fig.savefig(tmp, dpi=110)

@@ -47,13 +47,14 @@ import yaml
 from opdjax.budget import probe as probe_mod
 from opdjax.budget.fit import (
     aggregate,
+    baseline_stats,
     budget_interval,
     finite_mean,
     fit_budget,
+    hinge_fit,
     knee_bracket,
-    mean_ci,
     monotone_q_loss,
-    quality_losses,
+    point_effect,
     runs_verdict,
 )
 from opdjax.budget.io import setup_fingerprint
@@ -322,7 +323,7 @@ class _PointRunner:
         if p.id in self.records:
             return self.records[p.id]
         knee = " + knee" if self.study.knee.enabled else ""
-        for s in self.study.seeds:
+        for s in self.study.seeds_for(p.knob):
             rec = run_one(self.study, p, s, self.log)
             self.records.setdefault(p.id, []).append(rec)
             self.done += 1
@@ -342,9 +343,10 @@ def _start_study(study: StudyConfig, root: pathlib.Path, fixed: Sequence[Point],
     """Create `root`, save the study config there, log the plan; the runner for its points."""
     root.mkdir(parents=True, exist_ok=True)
     write_text(root / "study_config.yaml", yaml.safe_dump(to_dict(study), sort_keys=False))
-    planned = (len(fixed) + len(extra)) * len(study.seeds)
+    planned = sum(len(study.seeds_for(p.knob)) for p in (*fixed, *extra))
     log(f"study: {len(fixed)} sweep points + {len(extra)} phenomena points x {len(study.seeds)} seeds "
-        f"= {planned} runs{' + the knee search' if study.knee.enabled else ''} -> {root}")
+        f"({len(study.seeds_for('baseline'))} for the baseline) = {planned} runs"
+        f"{' + the knee search' if study.knee.enabled else ''} -> {root}")
     return _PointRunner(study, planned, log)
 
 
@@ -356,8 +358,7 @@ def _search_knee(study: StudyConfig, runner: _PointRunner, baseline: Mapping[str
         p = noise_point(sigma)
         searched.append(p)
         recs = runner(p)
-        return float(np.mean([r.m_probe for r in recs])), float(np.mean(
-            quality_losses(recs, baseline, study.quality)))
+        return float(np.mean([r.m_probe for r in recs])), point_effect(recs, baseline, study.quality)[0]
 
     knee_search(study.knee, study.delta, measure, log)
     return searched
@@ -366,21 +367,25 @@ def _search_knee(study: StudyConfig, runner: _PointRunner, baseline: Mapping[str
 def _fit_rows(study: StudyConfig, rows: list[dict[str, Any]]) -> tuple[float, dict[str, Any], list[float]]:
     """Fit the budget over the aggregated sweep rows: returns (B, knee bracket, B's interval [lo, hi]).
 
-    Adds to every row its q_loss CI over seeds and the runs' verdict, `within_budget` (the fit's verdict),
-    `q_loss_monotone` (the isotonic fit's value) and `admissible` (M probe ≤ B).
+    fit "hinge": `fit.hinge_fit` over every run; "isotonic" / "first_failure": `fit_budget` over the points with
+    `budget_interval`. Adds to every row the runs' verdict (from its q_loss CI, the baseline resampled too),
+    `within_budget` (the fit's verdict), `q_loss_monotone` (the isotonic fit's value) and `admissible` (M <= B).
     """
     for r in rows:
-        r["q_loss_ci"] = list(mean_ci([x["q_loss"] for x in r["seeds"]]))
         r["runs_verdict"] = runs_verdict(r["q_loss_ci"], study.delta)
     pts = [{"m": r["m_probe"], "q_loss": r["q_loss"]} for r in rows]
-    budget, within = fit_budget(pts, study.delta, study.fit)
-    bracket = knee_bracket(pts, budget, study.delta, study.knee.factor, study.fit)
-    b_lo, b_hi = budget_interval(rows, study.quality, study.delta, study.fit)
+    if study.fit == "hinge":
+        budget, interval, bracket = hinge_fit(rows, study.quality, study.delta, study.knee.factor)
+        within = [bool(r["m_probe"] is not None and r["m_probe"] <= budget) for r in rows]
+    else:
+        budget, within = fit_budget(pts, study.delta, study.fit)
+        bracket = knee_bracket(pts, budget, study.delta, study.knee.factor, study.fit)
+        interval = list(budget_interval(rows, study.quality, study.delta, study.fit))
     for r, w, f in zip(rows, within, monotone_q_loss(pts)):
         r["within_budget"] = w
         r["q_loss_monotone"] = f
         r["admissible"] = bool(r["m_probe"] is not None and r["m_probe"] <= budget)
-    return budget, bracket, [b_lo, b_hi]
+    return budget, bracket, interval
 
 
 def _budget_json(study: StudyConfig, budget: float, bracket: Mapping[str, Any], interval: list[float],
@@ -422,13 +427,9 @@ def _write_outputs(root: pathlib.Path, out: Mapping[str, Any], rows: Sequence[Ma
 
 
 def _baseline(base_recs: Sequence[RunResult]) -> dict[str, Any]:
-    """The baseline's means over seeds (quality losses are measured against these)."""
-    return {"reverse_kl": float(np.mean([r.reverse_kl for r in base_recs])),
-            "accuracy": float(np.mean([r.accuracy for r in base_recs])),
-            "reverse_kl_seeds": [r.reverse_kl for r in base_recs],
-            "accuracy_seeds": [r.accuracy for r in base_recs],
-            "initial_reverse_kl": float(np.mean([r.initial_reverse_kl for r in base_recs])),
-            "initial_accuracy": float(np.mean([r.initial_accuracy for r in base_recs]))}
+    """The baseline's reference values (`fit.baseline_stats`): quality losses are measured against its seeds."""
+    return baseline_stats({k: [getattr(r, k) for r in base_recs]
+                           for k in ("reverse_kl", "accuracy", "initial_reverse_kl", "initial_accuracy")})
 
 
 def _sweep_order(points: Sequence[Point]) -> list[Point]:
@@ -440,5 +441,7 @@ def _sweep_order(points: Sequence[Point]) -> list[Point]:
 def _quality_text(quality: str) -> str:
     if quality == "reverse_kl":
         return ("relative increase of the final held-out reverse KL(student||teacher) over the mismatch-free "
-                "baseline: q_loss = (RKL - RKL_base) / RKL_base (RKL_base = mean over baseline seeds)")
-    return "absolute drop of final held-out greedy accuracy versus the mismatch-free baseline: acc_base - acc"
+                "baseline, as a ratio of geometric means over seeds: q_loss = GM(RKL) / GM(RKL_base) - 1 (one "
+                "stalled seed cannot decide it); its CI resamples the point's and the baseline's seeds")
+    return ("absolute drop of final held-out greedy accuracy versus the mismatch-free baseline: mean(acc_base) - "
+            "mean(acc); its CI resamples the point's and the baseline's seeds")

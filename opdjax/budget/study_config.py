@@ -129,6 +129,7 @@ class StudyConfig:
     train_config: str | None = None   # base TrainConfig YAML (default: the embedded defaults)
     base: dict = dataclasses.field(default_factory=dict)  # TrainConfig overrides for every run (nested, like YAML)
     seeds: tuple = (0, 1)              # each run sets seed and rollout.seed (prompt order, sampling, noise draws)
+    baseline_seeds: tuple = ()         # the baseline's seeds (empty: `seeds`); every interval carries its noise
     weight_noise: tuple = (0.0, 0.01, 0.03, 0.1, 0.3)   # rollout.weight_noise sigma; 0 is the baseline
     staleness: tuple = (1, 2)          # rollout.stale_versions k
     recipes: tuple = ("fp8_w8a8",)     # rollout.recipe presets (quant.RECIPES) or recipe files
@@ -136,7 +137,7 @@ class StudyConfig:
     probe_batches: int = 4
     quality: str = "reverse_kl"        # reverse_kl: relative increase of final held-out RKL; accuracy: abs. drop
     delta: float = 0.25                # tolerated quality loss
-    fit: str = "isotonic"              # isotonic (q_loss monotone in M) | first_failure (see fit_budget)
+    fit: str = "hinge"                 # hinge (dose-response over every run) | isotonic | first_failure (`fit`)
     keep_checkpoints: bool = False     # False: delete each run's checkpoints/ (the baseline keeps student_final)
     knee: KneeConfig = dataclasses.field(default_factory=KneeConfig)
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)
@@ -154,8 +155,11 @@ class StudyConfig:
             raise ConfigError(f"delta must be >= 0, got {self.delta}")
         if not self.seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in self.seeds):
             raise ConfigError(f"seeds must be a non-empty list of ints, got {list(self.seeds)}")
-        if len(set(self.seeds)) != len(self.seeds):
-            raise ConfigError(f"seeds has duplicates: {list(self.seeds)}")
+        for what, seeds in (("seeds", self.seeds), ("baseline_seeds", self.baseline_seeds or self.seeds)):
+            if not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+                raise ConfigError(f"{what} must be a list of ints, got {list(seeds)}")
+            if len(set(seeds)) != len(seeds):
+                raise ConfigError(f"{what} has duplicates: {list(seeds)}")
         if self.probe_batches < 1:
             raise ConfigError(f"probe_batches must be > 0, got {self.probe_batches}")
         _levels("weight_noise", self.weight_noise)
@@ -166,11 +170,20 @@ class StudyConfig:
             if not isinstance(r, str) or not (r in quant.RECIPES or quant.is_recipe_file(r)):
                 raise ConfigError(f"recipes: unknown recipe {r!r}; presets: {sorted(quant.RECIPES)} "
                                   "(or a .json/.yaml recipe file)")
+        levels = len(set(self.weight_noise) - {0, 0.0}) + len(self.staleness) + len(self.recipes)
+        if self.fit == "hinge" and not self.knee.enabled and levels < 2:
+            raise ConfigError(f"fit=hinge needs at least 2 mismatch levels besides the baseline (weight_noise > 0, "
+                              f"staleness, recipes), got {levels}: add levels, enable the knee search, or use "
+                              "fit=isotonic")
         self.knee.validate()
         self.rl.validate()
         self.shift.validate()
         self.train_config_for({}, self.seeds[0])  # base overrides checked now, not after an hour of runs
         return self
+
+    def seeds_for(self, knob: str) -> tuple:
+        """The seeds a point of this knob trains: `baseline_seeds` for the baseline (when set), else `seeds`."""
+        return tuple(self.baseline_seeds) if knob == "baseline" and self.baseline_seeds else tuple(self.seeds)
 
     def train_config_for(self, overrides: Mapping[str, Any], seed: int, out_dir: str | None = None) -> TrainConfig:
         """The TrainConfig of one run: train_config YAML <- base <- point overrides <- seed (<- out_dir)."""

@@ -36,6 +36,8 @@ from opdjax.rollout.base import pad_left
 
 __all__ = ["format_summary", "train"]
 
+KL_METRICS = ("teacher_kl", "forward_kl", "jsd")  # the progress bar shows the first one the loss reports
+
 
 @dataclasses.dataclass
 class _Rollout:
@@ -301,7 +303,8 @@ def _one_step(run: Run, state, stream, worker, q, prog: _Progress, evaluate, log
     zero_grad.update(prog.step, float(m.get("grad_norm", 1.0)))
     if bar is not None:
         bar.update(1)
-        bar.set_postfix(loss=f"{m['loss']:.3f}", teacher_kl=f"{m.get('teacher_kl', float('nan')):.3f}",
+        kl = next((k for k in KL_METRICS if k in m), None)  # the loss's own divergence to the teacher
+        bar.set_postfix(loss=f"{m['loss']:.3f}", **({kl: f"{m[kl]:.3f}"} if kl else {}),
                         k3=f"{m.get('mismatch/k3', float('nan')):.2e}", acc=f"{prog.last_eval['eval/accuracy']:.2f}")
     if pc.checkpoint_every and prog.step % pc.checkpoint_every == 0 and prog.step < pc.steps:
         _checkpoint(run, state, prog)

@@ -63,7 +63,8 @@ def test_budget_nan_loss_counts_as_outside_and_empty_or_failing_start_gives_zero
 def test_quality_losses_relative_reverse_kl_and_accuracy_drop():
     base = {"reverse_kl": 2.0, "accuracy": 0.8}
     recs = [{"reverse_kl": 3.0, "accuracy": 0.5}, {"reverse_kl": float("nan"), "accuracy": 0.5}]
-    assert fit.quality_losses(recs, base, "reverse_kl") == [0.5, math.inf]
+    # (3 + 0.1) / (2 + 0.1) - 1: the 0.1-nat offset of `dose.run_scores`
+    assert fit.quality_losses(recs, base, "reverse_kl") == [pytest.approx(1.0 / 2.1), math.inf]
     assert fit.quality_losses(recs[:1], base, "accuracy") == [pytest.approx(0.3)]
 
 
@@ -184,14 +185,16 @@ def test_study_fits_the_knee_and_reports_rl_and_correction_phenomena(pair, tmp_p
     _fake_runs(monkeypatch)
     # RKL = 1 + 100 sigma^2: q_loss = 100 sigma^2 -> 0.01, 0.09, 0.25, 1.0 for sigma = 0.01, 0.03, 0.05, 0.1.
     study = _study(pair, tmp_path / "fake", "seeds=[0, 1]", "weight_noise=[0, 0.01, 0.03, 0.05, 0.1]",
-                   "staleness=[]", "delta=0.2", "rl.weight_noise=[0.1]", "rl.common={optim: {lr: 0.0003}}",
+                   "staleness=[]", "delta=0.2", "fit=isotonic", "rl.weight_noise=[0.1]",
+                   "rl.common={optim: {lr: 0.0003}}",
                    "shift.correction_noise=0.07",
                    "shift.corrections=[token_tis, token_mis]")
     out = study_mod.run_study(study, log=lambda s: None)
     assert out["budget"] == pytest.approx(0.03 ** 2)
     assert [p["within_budget"] for p in out["points"]] == [True, True, True, False, False]
     spread = out["points"][1]["q_loss_spread"]
-    assert spread["max"] - spread["min"] == pytest.approx(0.01 / 1.005)  # per-seed offset 0.01·seed / baseline RKL
+    # per-seed offset 0.01·seed / the baseline's reference RKL + 0.1, the geometric mean of its seeds' 1.1 and 1.11
+    assert spread["max"] - spread["min"] == pytest.approx(0.01 / math.sqrt(1.1 * 1.11))
     rl = out["phenomena"]["rl_vs_opd"]["levels"]
     assert [t["weight_noise"] for t in rl] == [0.0, 0.1]
     assert rl[1]["rl"]["reverse_kl_rel_increase"] == pytest.approx(1.0 / 1.305, rel=1e-6)
@@ -274,7 +277,8 @@ def test_adaptive_study_reports_a_bracketed_b_and_a_fixed_sweep_that_misses_the_
         pair, tmp_path, monkeypatch):
     _fake_runs(monkeypatch)  # q_loss ~ 100 sigma^2 / 1.005, M = sigma^2
     study = _study(pair, tmp_path / "adaptive", "seeds=[0, 1, 2, 3]", "weight_noise=[0]", "staleness=[]",
-                   "delta=0.2", "knee={enabled: true, start: 0.01}", "rl.enabled=false", "shift.enabled=false")
+                   "delta=0.2", "fit=isotonic", "knee={enabled: true, start: 0.01}", "rl.enabled=false",
+                   "shift.enabled=false")
     out = study_mod.run_study(study, log=lambda s: None)
     ids = [p["id"] for p in out["points"]]
     assert ids == ["baseline", "weight_noise=0.01", "weight_noise=0.04", "weight_noise=0.0566",
@@ -292,12 +296,39 @@ def test_adaptive_study_reports_a_bracketed_b_and_a_fixed_sweep_that_misses_the_
     assert bio.load_budget(tmp_path / "adaptive" / "budget.json").budget == pytest.approx(0.0016)
 
     fixed = _study(pair, tmp_path / "fixed", "seeds=[0, 1]", "weight_noise=[0, 0.01, 0.1]", "staleness=[]",
-                   "delta=0.2", "rl.enabled=false", "shift.enabled=false")
+                   "delta=0.2", "fit=isotonic", "rl.enabled=false", "shift.enabled=false")
     out = study_mod.run_study(fixed, log=lambda s: None)  # M 1e-4 within, 1e-2 beyond: a factor 100
     assert out["status"] == "UNRESOLVED" and out["bracket"]["ratio"] == pytest.approx(100)
     assert "**Budget UNRESOLVED**" in (tmp_path / "fixed" / "summary.md").read_text()
     with pytest.raises(bio.AdmissionError, match="did not locate the knee"):
         bio.load_budget(tmp_path / "fixed" / "budget.json")
+
+
+def test_hinge_study_fits_every_run_with_more_baseline_seeds_and_refuses_an_extrapolated_knee(
+        pair, tmp_path, monkeypatch):
+    """fit=hinge (the default): B from a dose-response over every run, the baseline's 6 seeds resampled in B's
+    interval and in every point's CI. Fake runs: RKL = 1 + 100 M + 0.01 seed, M = sigma^2; with delta 0.5 the
+    geometric-mean ratio of RKL + 0.1 reaches 1.5 at M ~ 0.0055, between the levels 2.5e-3 and 1e-2."""
+    _fake_runs(monkeypatch)
+    study = _study(pair, tmp_path / "hinge", "seeds=[0, 1, 2]", "baseline_seeds=[0, 1, 2, 3, 4, 5]",
+                   "weight_noise=[0, 0.01, 0.03, 0.05, 0.1]", "staleness=[]", "delta=0.5", "rl.enabled=false",
+                   "shift.enabled=false")
+    out = study_mod.run_study(study, log=lambda s: None)
+    base, *levels = out["points"]
+    assert len(base["seeds"]) == 6 and all(len(p["seeds"]) == 3 for p in levels)
+    assert 2.5e-3 < out["budget"] < 1e-2 and out["bracket"]["method"] == "hinge"
+    lo, hi = out["budget_interval"]
+    assert lo <= out["budget"] <= hi and out["status"] == ("RESOLVED" if hi / lo <= 3 else "UNRESOLVED")
+    assert [p["within_budget"] for p in out["points"]] == [True, True, True, True, False]
+    assert base["q_loss"] == 0.0 and base["q_loss_ci"][0] < 0 < base["q_loss_ci"][1]  # the baseline's own noise
+    assert [p["runs_verdict"] for p in levels] == ["admit", "admit", "admit", "reject"]
+    # Levels that never rise past delta: the fitted slope's crossing lies beyond every M measured. Not a knee.
+    flat = _study(pair, tmp_path / "flat", "seeds=[0, 1]", "weight_noise=[0, 0.001, 0.002, 0.004]",
+                  "staleness=[]", "delta=0.2", "rl.enabled=false", "shift.enabled=false")
+    out = study_mod.run_study(flat, log=lambda s: None)
+    assert out["status"] == "UNRESOLVED" and out["bracket"]["beyond"] is None
+    with pytest.raises(ConfigError, match="fit=hinge needs at least 2 mismatch levels"):
+        _study(pair, tmp_path / "x", "weight_noise=[0, 0.1]", "staleness=[]", "recipes=[]")
 
 
 def test_mean_ci_runs_verdict_and_the_knee_bracket():

@@ -188,8 +188,8 @@ def test_a_resume_that_changes_what_is_trained_is_refused_naming_the_keys(pair, 
 
     pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=2", "pipeline.eval_every=0"), log=lambda s: None)
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
-    changed = ("optim.lr=0.05", "loss.name=forward_kl_topk", "rollout.temperature=0.5")
-    with pytest.raises(RunDirError, match=r"loss.name: 'reverse_kl_sampled' -> 'forward_kl_topk'.*optim.lr: "
+    changed = ("optim.lr=0.05", "loss.name=reverse_kl_sampled", "rollout.temperature=0.5")
+    with pytest.raises(RunDirError, match=r"loss.name: 'forward_kl_topk' -> 'reverse_kl_sampled'.*optim.lr: "
                                           r"0.0003 -> 0.05.*rollout.temperature: 1.0 -> 0.5.*allow_config_change"):
         pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=3", "pipeline.eval_every=0", "pipeline.resume=true",
                             *changed), log=lambda s: None)
