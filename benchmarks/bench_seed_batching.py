@@ -30,7 +30,7 @@ import jax
 
 from opdjax.config import TrainConfig, load
 from opdjax.data.prompts import PromptStream
-from opdjax.pipeline import build
+from opdjax.pipeline.build import build
 from opdjax.pipeline.opd import opd_step, rollout_seed
 
 PHASES = ("time/generate", "time/score", "time/train", "time/publish")

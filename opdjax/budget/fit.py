@@ -237,7 +237,11 @@ def hinge_fit(rows: Sequence[Mapping[str, Any]], quality: str, delta: float, fac
     runs = [(s["m_probe"], s[key], "baseline" if r["knob"] == "baseline" else r["id"])
             for r in rows for s in r["seeds"] if s.get("m_probe") is not None]
     m_R, v_R, g_R = (list(c) for c in zip(*runs)) if runs else ([], [], [])
-    boot = dose.budget_bootstrap(m_R, dose.run_scores(v_R, quality), g_R, quality, delta, n=n, seed=seed)
+    try:
+        boot = dose.budget_bootstrap(m_R, dose.run_scores(v_R, quality), g_R, quality, delta, n=n, seed=seed)
+    except ValueError as e:  # too few runs or levels to fit: no budget, and the study says why
+        return 0.0, [0.0, 0.0], {"within": None, "beyond": None, "ratio": math.inf, "factor": float(factor),
+                                 "resolved": False, "method": "hinge", "why": f"no hinge fit: {e}"}
     b, (lo, hi) = boot["budget"], boot["ci"]
     ms = sorted({float(m) for m, _, g in runs if g != "baseline"})
     within = max((m for m in ms if m <= b), default=None)

@@ -18,8 +18,8 @@ __all__ = ["CSV_FIELDS", "plot", "summary_markdown", "validity_markdown", "write
 
 
 CSV_FIELDS = ["id", "group", "knob", "value", "m_probe", "m_probe_ci_low", "m_probe_ci_high", "m_train",
-              "m_train_k1", "m_train_abs_log_ratio_p95", "q_reverse_kl", "q_accuracy", "q_loss", "q_loss_std",
-              "q_loss_min", "q_loss_max", "n_seeds", "within_budget", "admissible", "seconds"]
+              "m_train_k1", "m_train_abs_log_ratio_p95", "q_reverse_kl", "q_accuracy", "q_loss", "q_loss_ci_low",
+              "q_loss_ci_high", "q_loss_std", "q_loss_min", "q_loss_max", "n_seeds", "within_budget", "admissible", "seconds"]
 
 
 def write_csv(path: pathlib.Path, rows: Sequence[Mapping]) -> None:
@@ -29,8 +29,9 @@ def write_csv(path: pathlib.Path, rows: Sequence[Mapping]) -> None:
     w.writeheader()
     for r in rows:
         ci = r["m_probe_ci"] or [None, None]
-        sp = r["q_loss_spread"]
+        sp, qci = r["q_loss_spread"], r.get("q_loss_ci") or [None, None]
         w.writerow({**{k: r.get(k) for k in CSV_FIELDS}, "m_probe_ci_low": ci[0], "m_probe_ci_high": ci[1],
+                    "q_loss_ci_low": qci[0], "q_loss_ci_high": qci[1],
                     "q_loss_std": sp["std"], "q_loss_min": sp["min"], "q_loss_max": sp["max"],
                     "n_seeds": len(r["seeds"])})
     write_text(path, f.getvalue())
@@ -124,6 +125,14 @@ def _budget_lines(result: Mapping[str, Any]) -> list[str]:
     if br is None:
         return [f"**Budget B = {result['budget']:.4g}** {what}.", ""]
     ends = f"[{_f(br['within'], '.4g')}, {_f(br['beyond'], '.4g')}]"
+    if not br["resolved"] and br.get("method") == "hinge":
+        return [f"**Budget UNRESOLVED** {what}: {br['why']}; the dose-response fit does not locate a knee that "
+                f"its runs pin down within a factor {br['factor']:g}, so no B is reported and `opdjax admit` refuses "
+                f"this file. Add levels around the fitted B ({_f(result['budget'], '.4g')}) or seeds.", ""]
+    if br.get("method") == "hinge":
+        return [f"**Budget B = {result['budget']:.4g}** {what}; from a dose-response (hinge) fit over every run, "
+                f"95% interval over runs resampled within every point, the baseline's too [{iv[0]:.3g}, "
+                f"{iv[1]:.3g}] (x{br['ratio']:.2g} ≤ {br['factor']:g}); measured levels around it {ends}.", ""]
     if not br["resolved"]:
         return [f"**Budget UNRESOLVED** {what}: the knee bracket {ends} (largest M within tolerance, smallest M "
                 f"beyond) is not narrower than a factor {br['factor']:g} ({br['why']}), so no B is reported and "

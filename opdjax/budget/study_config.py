@@ -215,7 +215,7 @@ def _levels(name: str, values) -> None:
 
 # `--small`: 3 sweep points, few steps, one seed; phenomena on one noise level (a smoke test of the whole study).
 SMALL_OVERRIDES = [
-    "seeds=[0]", "weight_noise=[0, 0.3]", "staleness=[1]", "recipes=[]",
+    "seeds=[0]", "weight_noise=[0, 0.3]", "staleness=[1]", "recipes=[]", "fit=isotonic",  # 3 runs: no hinge fit
     "base.pipeline.steps=20", "base.pipeline.eval_every=20", "base.pipeline.eval_prompts=32",
     "probe_batches=2", "rl.weight_noise=[0, 0.3]", "shift.weight_noise=[0.1, 0.3]", "shift.prompts=64",
     "shift.correction_noise=0.3", "shift.corrections=[token_tis]",

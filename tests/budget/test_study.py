@@ -311,8 +311,8 @@ def test_hinge_study_fits_every_run_with_more_baseline_seeds_and_refuses_an_extr
     geometric-mean ratio of RKL + 0.1 reaches 1.5 at M ~ 0.0055, between the levels 2.5e-3 and 1e-2."""
     _fake_runs(monkeypatch)
     study = _study(pair, tmp_path / "hinge", "seeds=[0, 1, 2]", "baseline_seeds=[0, 1, 2, 3, 4, 5]",
-                   "weight_noise=[0, 0.01, 0.03, 0.05, 0.1]", "staleness=[]", "delta=0.5", "rl.enabled=false",
-                   "shift.enabled=false")
+                   "weight_noise=[0, 0.01, 0.03, 0.05, 0.1]", "staleness=[]", "delta=0.5", "fit=hinge",
+                   "rl.enabled=false", "shift.enabled=false")
     out = study_mod.run_study(study, log=lambda s: None)
     base, *levels = out["points"]
     assert len(base["seeds"]) == 6 and all(len(p["seeds"]) == 3 for p in levels)
@@ -324,11 +324,11 @@ def test_hinge_study_fits_every_run_with_more_baseline_seeds_and_refuses_an_extr
     assert [p["runs_verdict"] for p in levels] == ["admit", "admit", "admit", "reject"]
     # Levels that never rise past delta: the fitted slope's crossing lies beyond every M measured. Not a knee.
     flat = _study(pair, tmp_path / "flat", "seeds=[0, 1]", "weight_noise=[0, 0.001, 0.002, 0.004]",
-                  "staleness=[]", "delta=0.2", "rl.enabled=false", "shift.enabled=false")
+                  "staleness=[]", "delta=0.2", "fit=hinge", "rl.enabled=false", "shift.enabled=false")
     out = study_mod.run_study(flat, log=lambda s: None)
     assert out["status"] == "UNRESOLVED" and out["bracket"]["beyond"] is None
     with pytest.raises(ConfigError, match="fit=hinge needs at least 2 mismatch levels"):
-        _study(pair, tmp_path / "x", "weight_noise=[0, 0.1]", "staleness=[]", "recipes=[]")
+        _study(pair, tmp_path / "x", "weight_noise=[0, 0.1]", "staleness=[]", "recipes=[]", "fit=hinge")
 
 
 def test_mean_ci_runs_verdict_and_the_knee_bracket():
