@@ -189,7 +189,7 @@ class TeacherConfig:
 
 @dataclasses.dataclass
 class LossConfig:
-    name: str = "forward_kl_topk"    # trains on every seed; reverse_kl_sampled stalls on a plateau for some (issue 28)
+    name: str = losses.DEFAULT_LOSS  # forward_kl_topk: trains every seed; reverse_kl_sampled stalls for some
     options: dict = dataclasses.field(default_factory=dict)   # loss kwargs (defaults: the loss's own), e.g. {beta: 0.5}
     correction: str = "none"         # none | token_tis | seq_tis | token_mis | seq_mis | geo_reject | k3_reject ...
     correction_options: dict = dataclasses.field(default_factory=dict)  # cap, low, high, threshold, normalize

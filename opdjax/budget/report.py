@@ -54,7 +54,7 @@ def plot(path: pathlib.Path, result: Mapping[str, Any]) -> None:
     lo = min(ms + [result["budget"]] if result["budget"] > 0 else ms) if ms else 1e-6
     floor = lo / 10
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    for ax, key, ylab in ((axes[0], "q_loss", "quality loss (rel. increase of held-out reverse KL)"
+    for ax, key, ylab in ((axes[0], "q_loss", "quality loss (held-out reverse KL + 0.1: GM ratio - 1)"
                            if result["config"]["study"]["quality"] == "reverse_kl" else "accuracy drop"),
                           (axes[1], "accuracy", "final held-out accuracy")):
         seen = set()
@@ -132,7 +132,7 @@ def _budget_lines(result: Mapping[str, Any]) -> list[str]:
     if br.get("method") == "hinge":
         return [f"**Budget B = {result['budget']:.4g}** {what}; from a dose-response (hinge) fit over every run, "
                 f"95% interval over runs resampled within every point, the baseline's too [{iv[0]:.3g}, "
-                f"{iv[1]:.3g}] (x{br['ratio']:.2g} ≤ {br['factor']:g}); measured levels around it {ends}.", ""]
+                f"{iv[1]:.3g}] (x{br['ratio']:.2g} ≤ {br['factor']:g}); the runs' M nearest it {ends}.", ""]
     if not br["resolved"]:
         return [f"**Budget UNRESOLVED** {what}: the knee bracket {ends} (largest M within tolerance, smallest M "
                 f"beyond) is not narrower than a factor {br['factor']:g} ({br['why']}), so no B is reported and "
@@ -168,13 +168,18 @@ def _method_lines(result: Mapping[str, Any]) -> list[str]:
     (loss, steps, lr, batch, task), with the noise-free baseline's held-out reverse KL and accuracy."""
     s, b = result["config"]["study"], result["baseline"]
     base_cfg = result["config"]["base_train_config"]
-    fit = ("B is the largest M at which the isotonic (monotone non-decreasing in M) fit of the points' mean losses "
-           "stays ≤ delta, so one noisy point is pooled with its neighbours and a diverged point stops B."
-           if s.get("fit", "isotonic") == "isotonic" else
-           "B is the largest M reached walking the points in increasing M until the first point outside the "
-           "tolerance (conservative: later points never raise B).")
-    return [f"Quality loss: {result['quality']}. A point is within tolerance iff its *mean* loss over seeds "
-            f"({len(s['seeds'])}: {s['seeds']}) is ≤ delta. " + fit, "",
+    fits = {"hinge": "B comes from a dose-response fit over every run: its score (ln of reverse KL + 0.1, or minus "
+                     "accuracy) = a + b·max(0, ln M − k), least squares; B is the M where the fit has risen delta "
+                     "above its plateau, and its 95% interval refits runs resampled within every point, the "
+                     "baseline's too. A point is within tolerance iff its M ≤ B.",
+            "isotonic": "A point is within tolerance iff its quality loss is ≤ delta. B is the largest M at which "
+                        "the isotonic (monotone non-decreasing in M) fit of the points' losses stays ≤ delta, so one "
+                        "noisy point is pooled with its neighbours and a diverged point stops B.",
+            "first_failure": "A point is within tolerance iff its quality loss is ≤ delta. B is the largest M "
+                             "reached walking the points in increasing M until the first point outside the "
+                             "tolerance (conservative: later points never raise B)."}
+    seeds = f"seeds {s['seeds']}, baseline seeds {s.get('baseline_seeds') or s['seeds']}"
+    return [f"Quality loss: {result['quality']}; {seeds}. " + fits.get(s.get("fit", "isotonic"), ""), "",
             f"Runs: OPD ({base_cfg['loss']['name']}), {base_cfg['pipeline']['steps']} steps, "
             f"lr {base_cfg['optim']['lr']}, "
             f"batch {base_cfg['rollout']['batch_size']}, task {base_cfg['task']['name']}. Baseline (no mismatch): "

@@ -441,7 +441,7 @@ def _sweep_order(points: Sequence[Point]) -> list[Point]:
 def _quality_text(quality: str) -> str:
     if quality == "reverse_kl":
         return ("relative increase of the final held-out reverse KL(student||teacher) over the mismatch-free "
-                "baseline, as a ratio of geometric means over seeds: q_loss = GM(RKL) / GM(RKL_base) - 1 (one "
-                "stalled seed cannot decide it); its CI resamples the point's and the baseline's seeds")
+                "baseline, as a ratio of geometric means over seeds: q_loss = GM(RKL + 0.1) / GM(RKL_base + 0.1) "
+                "- 1 (one stalled seed cannot decide it); its CI resamples the point's and the baseline's seeds")
     return ("absolute drop of final held-out greedy accuracy versus the mismatch-free baseline: mean(acc_base) - "
             "mean(acc); its CI resamples the point's and the baseline's seeds")

@@ -95,7 +95,7 @@ class Learner:
     track_movement log `policy/step_k3`, the student's movement per step (`step_movement_k3`; one more forward)
     """
 
-    def __init__(self, graphdef: nnx.GraphDef, *, loss: str = "reverse_kl_sampled",
+    def __init__(self, graphdef: nnx.GraphDef, *, loss: str = losses.DEFAULT_LOSS,
                  loss_options: Mapping[str, Any] | None = None, correction: corrections.Correction | None = None,
                  tx: optax.GradientTransformation | None = None, schedule: optax.Schedule | None = None,
                  temperature: float = 1.0, mesh: Mesh | None = None, logprob_chunk: int = 0,

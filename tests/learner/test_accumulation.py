@@ -79,7 +79,7 @@ def test_accumulation_refuses_what_it_cannot_make_exact():
     with pytest.raises(ValueError, match="integer >= 1"):
         Learner(graphdef, micro_batches=0)
     tx, _ = make_optimizer(lr=1e-2, total_steps=1)
-    learner = Learner(graphdef, tx=tx, micro_batches=3)
+    learner = Learner(graphdef, loss="reverse_kl_sampled", tx=tx, micro_batches=3)
     state = learner.init(nnx.split(decoder.create(CFG, seed=3))[1])
     with pytest.raises(ValueError, match="multiple of 3"):
         learner.train_step(state, _batch())
@@ -129,7 +129,8 @@ def test_step_movement_is_the_k3_between_consecutive_versions():
     graphdef, params = nnx.split(decoder.create(CFG, seed=3))
     batch = _batch()
     for k in (1, 2):
-        learner = Learner(graphdef, tx=optax.sgd(1.0), micro_batches=k, temperature=0.9, track_movement=True)
+        learner = Learner(graphdef, loss="reverse_kl_sampled", tx=optax.sgd(1.0), micro_batches=k, temperature=0.9,
+                          track_movement=True)
         state = learner.init(params)
         old = learner.logp(state.params, batch["tokens_BT"], batch["valid_BT"])
         state, m = learner.train_step(state, batch)

@@ -80,7 +80,7 @@ def test_learner_step_mixed_precision_keeps_f32_params_and_matches_f32_loss():
     for dtype in (jnp.float32, jnp.bfloat16):
         graphdef, params = nnx.split(decoder.create(CFG, seed=1, dtype=dtype, param_dtype=jnp.float32))
         tx, schedule = make_optimizer(lr=3e-4, total_steps=10, warmup_steps=5, grad_clip=1.0, b2=0.99)
-        learner = Learner(graphdef, tx=tx, schedule=schedule, logprob_chunk=4)
+        learner = Learner(graphdef, loss="reverse_kl_sampled", tx=tx, schedule=schedule, logprob_chunk=4)
         state = learner.init(params)
         state, m = learner.train_step(state, batch)
         assert all(np.isfinite(v) for v in m.values()), m

@@ -25,14 +25,14 @@ def _lines(tmp_path):
 
 
 @pytest.mark.slow  # a 4-step run with evaluations
-def test_sync_run_logs_mismatch_and_teacher_kl_every_step(pair, tmp_path):
+def test_sync_run_logs_mismatch_and_the_teacher_divergence_every_step(pair, tmp_path):
     summary = pipeline.train(_cfg(pair, tmp_path), log=lambda s: None)
     assert summary["steps"] == 4
     lines = _lines(tmp_path)
     steps = [x for x in lines if "loss" in x]
     assert [x["step"] for x in steps] == [1, 2, 3, 4]
     for x in steps:
-        assert {"teacher_kl", "grad_norm", "mismatch/k3", "mismatch/k1", "mismatch/abs_log_ratio_p95"} <= set(x)
+        assert {"forward_kl", "grad_norm", "mismatch/k3", "mismatch/k1", "mismatch/abs_log_ratio_p95"} <= set(x)
         assert x["staleness"] == 0
         # Same f32 weights, same forward: the embedded engine and the learner agree to float rounding.
         assert abs(x["mismatch/k3"]) < 1e-6
