@@ -38,8 +38,7 @@ def baseline_stats(values: Mapping[str, Sequence[float]]) -> dict[str, Any]:
     """The baseline's reference values from its seeds' final {"reverse_kl": [...], "accuracy": [...]} (and
     optionally "initial_reverse_kl" / "initial_accuracy"): "reverse_kl" is the reverse KL of the mean
     `dose.run_scores` (a geometric mean of rkl + 0.1 nats, less the 0.1: the reference the per-seed losses and the
-    point effects share), "accuracy" the mean; the
-    per-seed lists are kept as "<key>_seeds"."""
+    point effects share), "accuracy" the mean; the per-seed lists are kept as "<key>_seeds"."""
     rkl, acc = list(values["reverse_kl"]), list(values["accuracy"])
     out = {"reverse_kl": dose.reverse_kl_of_score(float(dose.run_scores(rkl, "reverse_kl").mean())),
            "accuracy": float(np.mean(acc)),
@@ -74,16 +73,15 @@ def quality_losses(records: Sequence[Mapping], baseline: Mapping[str, float], qu
     `baseline_stats`);  accuracy: acc_base - acc.
     A point's loss is not the mean of these but `point_effect` (the geometric mean of 1 + q, - 1).
     """
-    out = []
+    c, out = dose.RKL_OFFSET, []
     for r in records:
-        if quality == "reverse_kl":
-            x, base = _field(r, "reverse_kl"), baseline["reverse_kl"]
-            q = (max(x, 0.0) + dose.RKL_OFFSET) / (max(base, 0.0) + dose.RKL_OFFSET) - 1 if x is not None else 0.0
-            # (a NaN / inf / missing x becomes +inf below)
+        x = _field(r, _key(quality))
+        if x is None or not math.isfinite(x):
+            out.append(math.inf)
+        elif quality == "reverse_kl":
+            out.append(float((max(x, 0.0) + c) / (max(baseline["reverse_kl"], 0.0) + c) - 1))
         else:
-            x, base = _field(r, "accuracy"), baseline["accuracy"]
-            q = base - x
-        out.append(float(q) if x is not None and math.isfinite(x) else math.inf)
+            out.append(float(baseline["accuracy"] - x))
     return out
 
 
