@@ -323,7 +323,7 @@ class _PointRunner:
         if p.id in self.records:
             return self.records[p.id]
         knee = " + knee" if self.study.knee.enabled else ""
-        for s in self.study.seeds_for(p.knob):
+        for s in self.study.seeds_for(p):
             rec = run_one(self.study, p, s, self.log)
             self.records.setdefault(p.id, []).append(rec)
             self.done += 1
@@ -343,9 +343,9 @@ def _start_study(study: StudyConfig, root: pathlib.Path, fixed: Sequence[Point],
     """Create `root`, save the study config there, log the plan; the runner for its points."""
     root.mkdir(parents=True, exist_ok=True)
     write_text(root / "study_config.yaml", yaml.safe_dump(to_dict(study), sort_keys=False))
-    planned = sum(len(study.seeds_for(p.knob)) for p in (*fixed, *extra))
+    planned = sum(len(study.seeds_for(p)) for p in (*fixed, *extra))
     log(f"study: {len(fixed)} sweep points + {len(extra)} phenomena points x {len(study.seeds)} seeds "
-        f"({len(study.seeds_for('baseline'))} for the baseline) = {planned} runs"
+        f"({len(study.seeds_for())} for the baseline) = {planned} runs"
         f"{' + the knee search' if study.knee.enabled else ''} -> {root}")
     return _PointRunner(study, planned, log)
 

@@ -181,9 +181,12 @@ class StudyConfig:
         self.train_config_for({}, self.seeds[0])  # base overrides checked now, not after an hour of runs
         return self
 
-    def seeds_for(self, knob: str) -> tuple:
-        """The seeds a point of this knob trains: `baseline_seeds` for the baseline (when set), else `seeds`."""
-        return tuple(self.baseline_seeds) if knob == "baseline" and self.baseline_seeds else tuple(self.seeds)
+    def seeds_for(self, point: Point | None = None) -> tuple:
+        """The seeds a point trains: `baseline_seeds` (when set) for the sweep's mismatch-free baseline, the point
+        every quality loss is measured against (None: that point); `seeds` for every other point, the phenomena's
+        own clean references included."""
+        is_base = point is None or (point.knob == "baseline" and point.group == "sweep")
+        return tuple(self.baseline_seeds) if is_base and self.baseline_seeds else tuple(self.seeds)
 
     def train_config_for(self, overrides: Mapping[str, Any], seed: int, out_dir: str | None = None) -> TrainConfig:
         """The TrainConfig of one run: train_config YAML <- base <- point overrides <- seed (<- out_dir)."""
