@@ -12,9 +12,9 @@ import pytest
 
 @pytest.mark.slow
 def test_ctrl_c_during_train_prints_one_line_and_exits_130(pair, tmp_path):
-    out = tmp_path / "run"
+    out = tmp_path / "run"  # far more steps than run before the signal, even on a loaded machine
     args = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
-            "rollout.max_new_tokens=4", "pipeline.eval_every=0", "pipeline.eval_prompts=8", "pipeline.steps=200",
+            "rollout.max_new_tokens=4", "pipeline.eval_every=0", "pipeline.eval_prompts=8", "pipeline.steps=5000",
             "pipeline.checkpoint_every=2", "pipeline.progress=false", "pipeline.tensorboard=false",
             f"pipeline.out_dir={out}"]
     p = subprocess.Popen([sys.executable, "-m", "opdjax.cli", "train", *args], stdout=subprocess.DEVNULL,
