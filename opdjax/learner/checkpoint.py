@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
-from typing import Any, Mapping
+import signal
+import threading
+from typing import Any, Iterator, Mapping
 
 import jax
 import orbax.checkpoint as ocp
@@ -11,7 +14,7 @@ import orbax.checkpoint as ocp
 from opdjax.core.errors import InputError
 from opdjax.learner.learner import TrainState
 
-__all__ = ["CheckpointMismatchError", "latest_step", "restore_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointMismatchError", "latest_step", "restore_checkpoint", "save_checkpoint", "sigint_deferred"]
 
 
 class CheckpointMismatchError(InputError):
@@ -19,13 +22,39 @@ class CheckpointMismatchError(InputError):
 
 def save_checkpoint(directory: str | pathlib.Path, state: TrainState, extra: Mapping[str, Any],
                     max_to_keep: int = 2) -> None:
-    """Save the full TrainState (orbax, sharded) plus JSON `extra` (pipeline/data position) under step N."""
+    """Save the full TrainState (orbax, sharded) plus JSON `extra` (pipeline/data position) under step N.
+
+    A Ctrl-C during the save takes effect when the save has finished (`sigint_deferred`): the checkpoint on disk
+    is whole, and the KeyboardInterrupt is raised then."""
     step = int(jax.device_get(state.step))
     opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
-    with ocp.CheckpointManager(pathlib.Path(directory).absolute(), options=opts) as mngr:
+    with sigint_deferred(), ocp.CheckpointManager(pathlib.Path(directory).absolute(), options=opts) as mngr:
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_as_tree(state)),
                                                 extra=ocp.args.JsonSave(dict(extra))), force=True)
         mngr.wait_until_finished()
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Hold SIGINT (Ctrl-C) for the duration of the block, then deliver it to the handler that was in place.
+
+    Why: orbax's `CheckpointManager.wait_until_finished` catches BaseException around its join of the save
+    thread, so a KeyboardInterrupt raised while the main thread waits there is logged and dropped; a training run
+    that checkpoints often spent most of its time there and ignored Ctrl-C. A no-op off the main thread (Python
+    delivers signals to the main thread only) and when SIGINT is not handled by Python (SIG_IGN in a background
+    job, SIG_DFL)."""
+    prev = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if not callable(prev):
+        yield
+        return
+    pressed: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, prev)
+    if pressed:
+        prev(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt
 
 
 def latest_step(directory: str | pathlib.Path) -> int | None:
