@@ -3,6 +3,7 @@ carry the baseline's own noise, and a hinge fit of quality against ln M whose bu
 interval. Pure numpy; every function takes one value per run (suffix _R: shape (R,)).
 
     run_scores        per-run score y on which effects add: ln(reverse KL + 0.1 nats) (capped) or -accuracy
+    stalls            how many runs stalled: final reverse KL > 3x the runs' median (or not finite)
     log_dose          per-run x = ln M (a baseline run without a usable M sits one decade below the smallest)
     level_effect      a level's quality loss against the baseline: geometric-mean ratio - 1, or accuracy drop
     effect_ci         its percentile bootstrap CI, resampling the level's AND the baseline's runs
@@ -20,9 +21,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["BASELINE", "BASELINE_MARGIN", "CI_LEVEL", "QUALITIES", "RKL_CAP", "RKL_OFFSET", "budget_bootstrap", "budget_from_fit",
+__all__ = ["BASELINE", "BASELINE_MARGIN", "CI_LEVEL", "QUALITIES", "RKL_CAP", "RKL_OFFSET", "STALL_FACTOR", "budget_bootstrap", "budget_from_fit",
            "dose_table", "effect_ci", "fit_hinge", "level_effect", "log_dose", "reverse_kl_of_score", "run_scores", "runs_verdict",
-           "verdict"]
+           "stalls", "verdict"]
 
 CI_LEVEL = 0.95  # of every bootstrap interval of the study
 QUALITIES = ("reverse_kl", "accuracy")
@@ -30,6 +31,7 @@ QUALITIES = ("reverse_kl", "accuracy")
 BASELINE = "baseline"  # the group label of the mismatch-free runs
 RKL_CAP = 1e6  # a diverged run's (non-finite) shifted reverse KL, and the largest one any run counts with
 RKL_OFFSET = 0.1  # nats added to the held-out reverse KL before the log (`run_scores`)
+STALL_FACTOR = 3.0  # a run whose final reverse KL exceeds this multiple of its group's median stalled
 BASELINE_MARGIN = math.log(10.0)  # a baseline run without a finite M > 0 sits this far below the smallest ln M
 _TIE = 1e-10  # SSEs within _TIE * (total sum of squares) of the minimum are a tie in `fit_hinge`
 
@@ -87,6 +89,20 @@ def run_scores(values: Sequence[float | None], quality: str) -> np.ndarray:
     if (fin & ((v < 0) | (v > 1))).any():
         raise ValueError(f"accuracy must lie in [0, 1]; got {v[fin & ((v < 0) | (v > 1))][:3].tolist()}")
     return -np.where(fin, v, 0.0)
+
+
+def stalls(reverse_kl_R: Sequence[float | None], factor: float = STALL_FACTOR) -> int:
+    """Runs that stalled: #{r : rkl_r > factor * max(median(finite rkl), RKL_OFFSET), or rkl_r not finite}
+    (shape (R,) -> int).
+
+    The issue-28 definition of a stall of the mismatch-free baseline (a seed that did not train); 0 of >= 32 seeds
+    is what a baseline must show before its study is worth reading. The median is floored at RKL_OFFSET: near 0
+    the sampled estimate's own noise (0.01-0.05 nats) would call converged runs stalled."""
+    v = np.array([np.nan if x is None else x for x in reverse_kl_R], dtype=float)
+    ok = np.isfinite(v)
+    if not ok.any():
+        return int(v.size)
+    return int((~ok).sum() + (v[ok] > factor * max(float(np.median(v[ok])), RKL_OFFSET)).sum())
 
 
 def reverse_kl_of_score(y: float) -> float:

@@ -38,10 +38,11 @@ def baseline_stats(values: Mapping[str, Sequence[float]]) -> dict[str, Any]:
     """The baseline's reference values from its seeds' final {"reverse_kl": [...], "accuracy": [...]} (and
     optionally "initial_reverse_kl" / "initial_accuracy"): "reverse_kl" is the reverse KL of the mean
     `dose.run_scores` (a geometric mean of rkl + 0.1 nats, less the 0.1: the reference the per-seed losses and the
-    point effects share), "accuracy" the mean; the per-seed lists are kept as "<key>_seeds"."""
+    point effects share), "accuracy" the mean, "stalls" the seeds that did not train (`dose.stalls`); the per-seed
+    lists are kept as "<key>_seeds"."""
     rkl, acc = list(values["reverse_kl"]), list(values["accuracy"])
     out = {"reverse_kl": dose.reverse_kl_of_score(float(dose.run_scores(rkl, "reverse_kl").mean())),
-           "accuracy": float(np.mean(acc)),
+           "accuracy": float(np.mean(acc)), "stalls": dose.stalls(rkl),
            "reverse_kl_seeds": rkl, "accuracy_seeds": acc}
     for k in ("initial_reverse_kl", "initial_accuracy"):
         if k in values:

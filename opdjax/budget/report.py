@@ -11,6 +11,7 @@ import os
 import pathlib
 from typing import Any, Mapping, Sequence
 
+from opdjax.budget import dose
 from opdjax.budget.fit import straddles
 from opdjax.pipeline.rundir import write_text
 
@@ -185,7 +186,14 @@ def _method_lines(result: Mapping[str, Any]) -> list[str]:
             f"batch {base_cfg['rollout']['batch_size']}, task {base_cfg['task']['name']}. Baseline (no mismatch): "
             f"held-out reverse KL {b['initial_reverse_kl']:.2f} → {b['reverse_kl']:.3f} (seeds "
             f"{', '.join(f'{x:.3f}' for x in b['reverse_kl_seeds'])}), accuracy {b['initial_accuracy']:.2f} → "
-            f"{b['accuracy']:.3f}.", ""]
+            f"{b['accuracy']:.3f}; {_stalls_text(b)}.", ""]
+
+
+def _stalls_text(b: Mapping[str, Any]) -> str:
+    """How many baseline seeds stalled (budget.json of earlier versions does not say: counted from its seeds)."""
+    n = b["stalls"] if "stalls" in b else dose.stalls(b["reverse_kl_seeds"])
+    return (f"{n} of {len(b['reverse_kl_seeds'])} baseline seeds stalled (final reverse KL > {dose.STALL_FACTOR:g}x "
+            f"their median)")
 
 
 def _points_table(points: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -56,6 +56,13 @@ def test_unknown_quality_names_the_valid_ones(call):
         call()
 
 
+def test_stalls_count_runs_beyond_three_times_the_median_and_non_finite_ones():
+    assert dose.stalls([0.4, 0.5, 0.45, 1.49, 1.51]) == 1  # median 0.5: 1.51 > 1.5, 1.49 is not
+    assert dose.stalls([0.3, 0.3, 0.3, math.nan, None, math.inf]) == 3
+    assert dose.stalls([-0.01, 0.0, 0.02, 0.29, 0.31]) == 1  # median floored at 0.1 nats: only 0.31 > 0.3
+    assert dose.stalls([None, math.nan]) == 2
+
+
 def test_level_effect_is_the_geometric_mean_ratio_minus_one_or_the_accuracy_drop():
     y_level, y_base = np.log([2.0, 8.0]), np.log([1.0, 4.0])  # geometric means 4 and 2
     assert dose.level_effect(y_level, y_base, "reverse_kl") == pytest.approx(4.0 / 2.0 - 1.0, abs=1e-12)
