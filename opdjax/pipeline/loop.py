@@ -354,12 +354,20 @@ def _get(q: queue.Queue, worker: _Worker) -> _Rollout:
                 raise RuntimeError("rollout worker stopped unexpectedly")
 
 
+def _ratio_text(r: float) -> str:
+    """final / initial held-out reverse KL: "x0.12", "x3.4e-04"; a final estimate below 0 (it is sampled, and a
+    converged run reads about 0) is said as such, not as "x-0.00"."""
+    if r < 0:
+        return "final estimate below 0: converged within the estimate's noise"
+    return f"x{r:.2f}" if r >= 0.01 else f"x{r:.1e}"
+
+
 def format_summary(s: dict[str, Any]) -> str:
     i, f = s["initial"], s["final"]
     return "\n".join([
         f"OPD summary ({s['steps']} steps, {s['mode']}, {s['seconds']:.0f}s, dropped rollouts: {s['dropped_rollouts']})",
         f"  held-out reverse KL(student||teacher): {i['eval/reverse_kl']:.3f} -> {f['eval/reverse_kl']:.3f} "
-        f"(x{s['reverse_kl_ratio']:.2f})",
+        f"({_ratio_text(s['reverse_kl_ratio'])})",
         f"  held-out accuracy:                     {i['eval/accuracy']:.3f} -> {f['eval/accuracy']:.3f}",
         f"  final student: {s['student_final']}",
     ])

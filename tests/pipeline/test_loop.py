@@ -260,3 +260,14 @@ def test_kill_9_mid_run_then_resume_logs_every_step_once(pair, tmp_path):
     assert [x["step"] for x in lines if "loss" in x] == list(range(1, 11))
     assert [x["step"] for x in lines if "loss" not in x] == [0]  # the initial evaluation, once, as step 0
     assert summary["steps"] == 10
+
+
+def test_summary_ratio_reads_well_for_converged_and_negative_estimates():
+    from opdjax.pipeline.loop import format_summary
+
+    s = {"steps": 3, "mode": "sync", "seconds": 1.0, "dropped_rollouts": 0, "student_final": "x",
+         "initial": {"eval/reverse_kl": 80.0, "eval/accuracy": 0.0}}
+    text = lambda rkl: format_summary({**s, "final": {"eval/reverse_kl": rkl, "eval/accuracy": 0.99},  # noqa: E731
+                                       "reverse_kl_ratio": rkl / 80.0})
+    assert "(x0.50)" in text(40.0) and "(x1.2e-03)" in text(0.096)
+    assert "x-0.00" not in text(-0.01) and "below 0" in text(-0.01)
