@@ -1,21 +1,18 @@
 """benchmarks/admission_validity.py's pure parts: the seeds of the full-run verdicts and the knee candidates."""
 
-import importlib.util
 import pathlib
 
 import pytest
 
 from opdjax.budget.study_config import load_study
+from tests.benchmarks.conftest import load_benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("admission_validity", ROOT / "benchmarks" / "admission_validity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("admission_validity")
 
 
 def test_truth_seeds_extend_the_study_seeds_past_their_largest(bench):

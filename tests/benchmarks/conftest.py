@@ -1,0 +1,14 @@
+"""Benchmarks are scripts, not a package: tests import one by name from benchmarks/."""
+
+import importlib.util
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def load_benchmark(name: str):
+    """The module benchmarks/<name>.py, executed once per call."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
