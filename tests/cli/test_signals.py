@@ -10,6 +10,14 @@ import time
 import pytest
 
 
+def _interactive_sigint() -> None:
+    """In the child before exec: SIGINT as a terminal gives it (default, unblocked). A child inherits an ignored
+    or blocked SIGINT, and an earlier test in this pytest worker may have left one behind; a process that starts
+    with SIGINT ignored keeps ignoring it (as a background job should)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_train_prints_one_line_and_exits_130(pair, tmp_path):
     out = tmp_path / "run"  # far more steps than run before the signal, even on a loaded machine
@@ -18,7 +26,7 @@ def test_ctrl_c_during_train_prints_one_line_and_exits_130(pair, tmp_path):
             "pipeline.checkpoint_every=1", "pipeline.progress=false", "pipeline.tensorboard=false",
             f"pipeline.out_dir={out}"]
     p = subprocess.Popen([sys.executable, "-m", "opdjax.cli", "train", *args], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=_interactive_sigint)
     deadline = time.time() + 300
     while time.time() < deadline and p.poll() is None:
         lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
