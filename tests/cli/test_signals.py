@@ -33,8 +33,8 @@ def test_ctrl_c_during_train_prints_one_line_and_exits_130(pair, tmp_path):
         if any("loss" in json.loads(x) for x in lines if x.strip()):
             break
         time.sleep(0.1)
-    # One press. A checkpoint every step keeps the run inside orbax's save most of the time, where a Ctrl-C used to
-    # be dropped (orbax catches BaseException around its join; lost in 3 of 4 presses on a loaded machine).
+    # One press. A checkpoint every step keeps the run inside orbax's save most of the time, so the press lands in a
+    # save (held until the checkpoint is whole: `sigint_deferred`).
     p.send_signal(signal.SIGINT)
     try:
         err = p.communicate(timeout=90)[1]

@@ -1,8 +1,8 @@
 """A Ctrl-C while a checkpoint is written stops the program once the checkpoint is whole.
 
-The bug (issue 29's Ctrl-C test, lost under load): orbax's `CheckpointManager.wait_until_finished` catches
-BaseException around its join of the save thread, so a KeyboardInterrupt raised there was logged and dropped and
-`opdjax train` went on training. `save_checkpoint` now holds SIGINT until the save has finished.
+Without `sigint_deferred`, a KeyboardInterrupt raised inside orbax's save breaks it half-way: orbax's
+`CheckpointManager.wait_until_finished` catches BaseException around its join of the save thread, logs the save as
+failed and drops its record of the step. `save_checkpoint` now holds SIGINT until the save has finished.
 """
 
 from __future__ import annotations
