@@ -190,9 +190,8 @@ def _method_lines(result: Mapping[str, Any]) -> list[str]:
 
 
 def _stalls_text(b: Mapping[str, Any]) -> str:
-    """How many baseline seeds stalled (budget.json of earlier versions does not say: counted from its seeds)."""
-    n = b["stalls"] if "stalls" in b else dose.stalls(b["reverse_kl_seeds"])
-    return (f"{n} of {len(b['reverse_kl_seeds'])} baseline seeds stalled (final reverse KL > {dose.STALL_FACTOR:g}x "
+    """How many baseline seeds stalled, counted from its seeds (so budget.json of earlier versions reads the same)."""
+    return (f"{dose.stalls(b['reverse_kl_seeds'])} of {len(b['reverse_kl_seeds'])} baseline seeds stalled (final reverse KL > {dose.STALL_FACTOR:g}x "
             f"their median)")
 
 
