@@ -11,7 +11,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from opdjax.budget.fit import finite_mean, quality_losses
+from opdjax.budget import dose
+from opdjax.budget.fit import finite_mean
 from opdjax.budget.records import Point, noise_point
 from opdjax.budget.study_config import StudyConfig
 from opdjax.config import TrainConfig
@@ -26,7 +27,7 @@ from opdjax.rollout.jax_engine import JaxEngine
 
 Log = Callable[[str], None]
 
-__all__ = ["phenomena", "prefix_shift"]
+__all__ = ["effect", "phenomena", "prefix_shift"]
 
 
 def _first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -141,38 +142,48 @@ def _opd_row(records: Mapping[str, list], by_id: Mapping[str, Mapping], sigma: f
             "nonfinite_steps": int(sum(r.nonfinite_steps for r in recs))}
 
 
+def effect(level: Sequence[float], ref: Sequence[float], quality: str) -> dict[str, Any]:
+    """{"effect", "ci"}: one group of runs' final values (L,) against a reference group's (R,), on the study's
+    scales (`dose.level_effect`: reverse_kl -> GM(rkl + 0.1) ratio - 1, accuracy -> mean drop) with the 95%
+    bootstrap CI that resamples both groups (`dose.effect_ci`)."""
+    y, yr = dose.run_scores(level, quality), dose.run_scores(ref, quality)
+    return {"effect": dose.level_effect(y, yr, quality), "ci": list(dose.effect_ci(y, yr, quality))}
+
+
 def _rl_vs_opd(study: StudyConfig, records: Mapping[str, list], opd_row: Callable[..., dict | None]) -> dict:
-    """(a): per RL weight-noise level, the RL run and the OPD run, each against its own noise-free run:
-    accuracy_drop = acc_0 - acc,  reverse_kl_rel_increase = (RKL - RKL_0) / max(|RKL_0|, 1e-9)."""
-    rl0 = records[study.rl.rl_point(0.0).id]
-    rl0_acc = float(np.mean([r.accuracy for r in rl0]))
-    rl0_rkl = float(np.mean([r.reverse_kl for r in rl0]))
+    """(a): per RL weight-noise level, the RL run and the OPD run, each against its own noise-free run (same
+    seeds): accuracy_drop = acc_0 - acc and q_loss = GM(rkl + 0.1) / GM(rkl_0 + 0.1) - 1, each with a CI that
+    resamples both groups' seeds; reverse_kl_rel_increase = (mean RKL - mean RKL_0) / mean RKL_0 as before."""
+    rl0 = _seeds_row(records[study.rl.rl_point(0.0).id])
     opd_for_rl = (lambda s: opd_row(s, study.rl.opd_point(s).id)) if study.rl.common else opd_row
     opd0 = opd_for_rl(0.0)
     table = []
     for s in study.rl.levels():
-        rl = _rl_row(records[study.rl.rl_point(s).id], rl0_acc, rl0_rkl)
+        rl = _seeds_row(records[study.rl.rl_point(s).id])
+        rl["reward_last"] = finite_mean(r.reward_last for r in records[study.rl.rl_point(s).id])
         opd = opd_for_rl(s)
-        if opd is not None and opd0 is not None:
-            opd["accuracy_drop"] = opd0["accuracy"] - opd["accuracy"]
-            opd["reverse_kl_rel_increase"] = (opd["reverse_kl"] - opd0["reverse_kl"]) / max(
-                abs(opd0["reverse_kl"]), 1e-9)
+        for row, ref in ((rl, rl0), (opd, opd0)):
+            if row is not None and ref is not None:
+                _against(row, ref)
         table.append({"weight_noise": s, "opd": opd, "rl": rl})
     return {"overrides": study.rl.overrides, "common": study.rl.common, "levels": table}
 
 
-def _rl_row(recs: Sequence, rl0_acc: float, rl0_rkl: float) -> dict[str, Any]:
-    """One RL level's means over seeds, its reward over the last 10% of steps, and its change from the noise-free
-    RL run (accuracy rl0_acc, reverse KL rl0_rkl)."""
-    rl = {"reverse_kl": float(np.mean([r.reverse_kl for r in recs])),
-          "accuracy": float(np.mean([r.accuracy for r in recs])),
-          "accuracy_seeds": [r.accuracy for r in recs],
-          "reward_last": finite_mean(r.reward_last for r in recs),
-          "m_train": finite_mean(r.m_train_k3 for r in recs),
-          "nonfinite_steps": int(sum(r.nonfinite_steps for r in recs))}
-    rl["accuracy_drop"] = rl0_acc - rl["accuracy"]
-    rl["reverse_kl_rel_increase"] = (rl["reverse_kl"] - rl0_rkl) / max(abs(rl0_rkl), 1e-9)
-    return rl
+def _seeds_row(recs: Sequence) -> dict[str, Any]:
+    """Means and per-seed finals of one group of runs (RL rows; OPD rows come from `_opd_row`)."""
+    return {"reverse_kl": float(np.mean([r.reverse_kl for r in recs])),
+            "accuracy": float(np.mean([r.accuracy for r in recs])),
+            "reverse_kl_seeds": [r.reverse_kl for r in recs], "accuracy_seeds": [r.accuracy for r in recs],
+            "m_train": finite_mean(r.m_train_k3 for r in recs),
+            "nonfinite_steps": int(sum(r.nonfinite_steps for r in recs))}
+
+
+def _against(row: dict[str, Any], ref: Mapping[str, Any]) -> None:
+    """Adds a method's change from its own noise-free runs to `row` (accuracy drop, q_loss, each with its CI)."""
+    acc = effect(row["accuracy_seeds"], ref["accuracy_seeds"], "accuracy")
+    rkl = effect(row["reverse_kl_seeds"], ref["reverse_kl_seeds"], "reverse_kl")
+    row.update(accuracy_drop=acc["effect"], accuracy_drop_ci=acc["ci"], q_loss=rkl["effect"], q_loss_ci=rkl["ci"],
+               reverse_kl_rel_increase=(row["reverse_kl"] - ref["reverse_kl"]) / max(abs(ref["reverse_kl"]), 1e-9))
 
 
 def _prefix_shift_tables(study: StudyConfig, records: Mapping[str, list], log: Log) -> dict[str, Any]:
@@ -194,19 +205,22 @@ def _prefix_shift_tables(study: StudyConfig, records: Mapping[str, list], log: L
 
 def _corrections_table(study: StudyConfig, records: Mapping[str, list], baseline: Mapping,
                        opd_row: Callable[..., dict | None]) -> dict[str, Any]:
-    """(b'): the uncorrected OPD run and each per-token correction at `shift.correction_noise`, with its quality
-    loss against the mismatch-free baseline."""
+    """(b'): the uncorrected OPD run and each per-token correction at `shift.correction_noise`: its quality loss
+    against the mismatch-free baseline (q_loss, CI resampling the baseline's seeds too) and its effect against the
+    uncorrected run at the same noise (vs_none: < 0 is a recovery; CI resampling both)."""
     s = float(study.shift.correction_noise)
-    ref = opd_row(s)
-    table = [{"correction": "none", **(ref or {})}]
+    key = "reverse_kl" if study.quality == "reverse_kl" else "accuracy"
+    table = [{"correction": "none", **(opd_row(s) or {})}]
     for c in study.shift.corrections:
-        recs = records[noise_point(s, "correction", {"loss": {"correction": c}}, False, c).id]
-        table.append({"correction": c, "reverse_kl": float(np.mean([r.reverse_kl for r in recs])),
-                      "accuracy": float(np.mean([r.accuracy for r in recs])),
-                      "reverse_kl_seeds": [r.reverse_kl for r in recs],
-                      "accuracy_seeds": [r.accuracy for r in recs],
-                      "m_train": finite_mean(r.m_train_k3 for r in recs)})
+        table.append({"correction": c, **_seeds_row(records[noise_point(s, "correction", {"loss": {"correction": c}},
+                                                                         False, c).id])})
+    none = table[0] if "reverse_kl" in table[0] else None
     for t in table:
-        if "reverse_kl" in t:
-            t["q_loss"] = quality_losses([t], baseline, study.quality)[0]
-    return {"weight_noise": s, "rows": table}
+        if "reverse_kl" not in t:
+            continue
+        q = effect(t[f"{key}_seeds"], baseline[f"{key}_seeds"], study.quality)
+        t.update(q_loss=q["effect"], q_loss_ci=q["ci"])
+        if none is not None and t is not none:
+            v = effect(t[f"{key}_seeds"], none[f"{key}_seeds"], study.quality)
+            t.update(vs_none=v["effect"], vs_none_ci=v["ci"])
+    return {"weight_noise": s, "quality": study.quality, "rows": table}

@@ -213,24 +213,31 @@ def _points_table(points: Sequence[Mapping[str, Any]]) -> list[str]:
     return L
 
 
+def _ci(x: Mapping[str, Any], key: str, fmt: str = "+.3f") -> str:
+    """`x[key]` with its CI `x[key + "_ci"]` when there is one ("+0.120 [+0.050, +0.210]"), else "–"."""
+    if x.get(key) is None:
+        return "–"
+    ci = x.get(f"{key}_ci")
+    return f"{x[key]:{fmt}}" + (f" [{ci[0]:{fmt}}, {ci[1]:{fmt}}]" if ci else "")
+
+
 def _rl_vs_opd_lines(rv: Mapping[str, Any]) -> list[str]:
     """Section (a): OPD and the RL baseline per weight-noise level, each against its own noise-free run."""
     L = ["", "## (a) OPD versus the RL baseline under weight noise", "",
          f"RL = task-reward policy gradient with overrides `{json.dumps(rv['overrides'])}`"
          + (f"; both methods with `{json.dumps(rv['common'])}`" if rv.get("common")
             else "; OPD = the sweep's runs")
-         + ". Each method is compared with its own noise-free run (same seeds, same steps).", "",
-         "| sigma | M probe | OPD RKL | OPD acc | OPD acc drop | OPD RKL rel. increase | RL acc | RL acc drop | "
-         "RL reward (last 10%) | RL RKL rel. increase | non-finite steps (OPD/RL) |",
+         + ". Each method is compared with its own noise-free run (same seeds, same steps); [95% CI] resamples "
+           "both groups' seeds; q_loss = GM(RKL + 0.1) / GM(RKL_0 + 0.1) - 1.", "",
+         "| sigma | M probe | OPD RKL | OPD acc | OPD acc drop | OPD q_loss | RL acc | RL acc drop | "
+         "RL reward (last 10%) | RL q_loss | non-finite steps (OPD/RL) |",
          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in rv["levels"]:
         o, r = t["opd"] or {}, t["rl"]
         L.append(f"| {t['weight_noise']} | {_f(o.get('m_probe'))} | {_f(o.get('reverse_kl'), '.3f')} | "
-                 f"{_f(o.get('accuracy'), '.3f')} | {_f(o.get('accuracy_drop'), '+.3f')} | "
-                 f"{_f(o.get('reverse_kl_rel_increase'), '+.2f')} | {r['accuracy']:.3f} | "
-                 f"{r['accuracy_drop']:+.3f} | {_f(r['reward_last'], '.3f')} | "
-                 f"{r['reverse_kl_rel_increase']:+.2f} | "
-                 f"{o.get('nonfinite_steps', '–')}/{r['nonfinite_steps']} |")
+                 f"{_f(o.get('accuracy'), '.3f')} | {_ci(o, 'accuracy_drop')} | {_ci(o, 'q_loss', '+.2f')} | "
+                 f"{r['accuracy']:.3f} | {_ci(r, 'accuracy_drop')} | {_f(r.get('reward_last'), '.3f')} | "
+                 f"{_ci(r, 'q_loss', '+.2f')} | {o.get('nonfinite_steps', '–')}/{r['nonfinite_steps']} |")
     return L + ["", _rl_verdict(rv)]
 
 
@@ -264,15 +271,17 @@ def _prefix_shift_table(which: str, tab: Sequence[Mapping[str, Any]]) -> list[st
 def _corrections_lines(c: Mapping[str, Any], delta: float) -> list[str]:
     """Section (b'): each per-token correction at one noise level beyond the budget, with its verdict."""
     L = ["", f"## (b') Per-token corrections at sigma = {c['weight_noise']} (beyond the budget)", "",
-         "| correction | final RKL (seeds) | accuracy (seeds) | q_loss vs baseline | M train k3 |",
-         "|---|---|---|---|---|"]
+         "q_loss: against the mismatch-free baseline; vs uncorrected: the same effect against the uncorrected run at "
+         "this noise (< 0 recovers); [95% CI] resamples both groups' seeds.", "",
+         "| correction | final RKL (seeds) | accuracy (seeds) | q_loss vs baseline | vs uncorrected | M train k3 |",
+         "|---|---|---|---|---|---|"]
     for t in c["rows"]:
         if "reverse_kl" not in t:
             continue
         rkl_seeds = ", ".join(f"{x:.2f}" for x in t["reverse_kl_seeds"])
         acc_seeds = ", ".join(f"{x:.2f}" for x in t["accuracy_seeds"])
         L.append(f"| {t['correction']} | {t['reverse_kl']:.3f} ({rkl_seeds}) | {t['accuracy']:.3f} ({acc_seeds}) | "
-                 f"{t['q_loss']:+.3f} | {_f(t.get('m_train'))} |")
+                 f"{_ci(t, 'q_loss')} | {_ci(t, 'vs_none')} | {_f(t.get('m_train'))} |")
     return L + ["", _corr_verdict(c, delta)]
 
 
@@ -355,23 +364,36 @@ def _validity_with_ci(rep: Mapping[str, Any], current_budget: float | None) -> s
 
 
 def _rl_verdict(rv) -> str:
+    """One sentence on the largest level: each method's accuracy drop with its CI, and whether they separate."""
     worst = max(rv["levels"], key=lambda t: t["weight_noise"])
     o, r = worst["opd"] or {}, worst["rl"]
-    return (f"At the largest level (sigma = {worst['weight_noise']}): OPD accuracy drop "
-            f"{_f(o.get('accuracy_drop'), '+.3f')}, reverse-KL change {_f(o.get('reverse_kl_rel_increase'), '+.2f')}; "
-            f"RL accuracy drop {r['accuracy_drop']:+.3f}, reverse-KL change {r['reverse_kl_rel_increase']:+.2f}, "
-            f"non-finite RL steps {r['nonfinite_steps']}.")
+    head = (f"At the largest level (sigma = {worst['weight_noise']}): OPD accuracy drop {_ci(o, 'accuracy_drop')}, "
+            f"q_loss {_ci(o, 'q_loss', '+.2f')}; RL accuracy drop {_ci(r, 'accuracy_drop')}, q_loss "
+            f"{_ci(r, 'q_loss', '+.2f')}; non-finite RL steps {r['nonfinite_steps']}.")
+    if o.get("accuracy_drop_ci") and r.get("accuracy_drop_ci"):
+        if o["accuracy_drop_ci"][1] < r["accuracy_drop_ci"][0]:
+            head += " OPD loses less accuracy than RL (the intervals are disjoint)."
+        elif r["accuracy_drop_ci"][1] < o["accuracy_drop_ci"][0]:
+            head += " RL loses less accuracy than OPD (the intervals are disjoint)."
+        else:
+            head += " The two accuracy drops are not separated (their intervals overlap)."
+    return head
 
 
 def _corr_verdict(c, delta) -> str:
+    """One sentence per correction: within delta of the baseline (CI below delta), and recovered against the
+    uncorrected run (CI of vs_none below 0), each only when its interval says so."""
     rows = [t for t in c["rows"] if "q_loss" in t]
     if not rows:
         return ""
-    none = next((t for t in rows if t["correction"] == "none"), None)
-    parts = [f"{t['correction']}: q_loss {t['q_loss']:+.3f}" for t in rows]
-    fixed = [t["correction"] for t in rows if t["correction"] != "none" and t["q_loss"] <= delta]
-    head = "; ".join(parts) + "."
-    if none is not None and none["q_loss"] > delta:
-        head += (" None of the corrections brings the loss back within delta." if not fixed else
-                 f" Within delta with: {', '.join(fixed)}.")
-    return head
+    parts = []
+    for t in rows:
+        lo, hi = t.get("q_loss_ci") or (t["q_loss"], t["q_loss"])
+        where = "within delta" if hi <= delta else "beyond delta" if lo > delta else "straddles delta"
+        txt = f"{t['correction']}: {where}"
+        if "vs_none" in t:
+            vlo, vhi = t["vs_none_ci"]
+            txt += (", better than uncorrected" if vhi < 0 else ", worse than uncorrected" if vlo > 0
+                    else ", not separated from uncorrected")
+        parts.append(txt)
+    return "; ".join(parts) + "."

@@ -200,8 +200,14 @@ def test_study_fits_the_knee_and_reports_rl_and_correction_phenomena(pair, tmp_p
     assert rl[1]["rl"]["reverse_kl_rel_increase"] == pytest.approx(1.0 / 1.305, rel=1e-6)
     assert rl[1]["opd"]["reverse_kl_rel_increase"] == pytest.approx(1.0 / 1.005, rel=1e-6)
     assert (tmp_path / "fake" / "results" / "opd_rl__weight_noise=0.1").is_dir()  # rl.common: own OPD runs
+    for method in ("rl", "opd"):  # every change from the clean run carries a CI that resamples both groups
+        lo, hi = rl[1][method]["q_loss_ci"]
+        assert lo <= rl[1][method]["q_loss"] <= hi and rl[1][method]["accuracy_drop_ci"][0] <= rl[1][method][
+            "accuracy_drop"] <= rl[1][method]["accuracy_drop_ci"][1]
     corr = out["phenomena"]["corrections"]["rows"]
     assert [c["correction"] for c in corr] == ["none", "token_tis", "token_mis"]  # 0.07 is not a sweep point:
+    assert all(c["q_loss_ci"][0] <= c["q_loss"] <= c["q_loss_ci"][1] for c in corr)
+    assert "vs_none" not in corr[0] and all(c["vs_none_ci"][0] <= c["vs_none"] <= c["vs_none_ci"][1] for c in corr[1:])
     assert (tmp_path / "fake" / "results" / "opd__weight_noise=0.07").is_dir()  # an extra OPD run was trained
     md = (tmp_path / "fake" / "summary.md").read_text()
     assert "(a) OPD versus the RL baseline" in md and "Prefix shift" in md and "Per-token corrections" in md
@@ -398,3 +404,11 @@ def test_run_identity_reuses_records_written_before_dtype_auto_and_fp8_emulation
     fp8 = json.loads(json.dumps(new))
     fp8["rollout"].update(engine="vllm", recipe="fp8_w8a8", fp8_emulation=True)
     assert study_mod.run_identity(fp8)["rollout"]["dtype"] == "bfloat16"
+
+
+def test_phenomena_effect_is_the_studys_effect_with_a_ci_over_both_groups():
+    # Constant groups: GM(1.9 + 0.1) / GM(0.9 + 0.1) - 1 = 1 exactly, and no resample can move it.
+    assert phenomena.effect([1.9, 1.9], [0.9, 0.9, 0.9], "reverse_kl") == {"effect": pytest.approx(1.0),
+                                                                           "ci": [pytest.approx(1.0)] * 2}
+    acc = phenomena.effect([0.5, 0.7], [0.8, 0.8], "accuracy")  # the drop: 0.8 - 0.6
+    assert acc["effect"] == pytest.approx(0.2) and acc["ci"][0] == pytest.approx(0.1) and acc["ci"][1] == pytest.approx(0.3)
