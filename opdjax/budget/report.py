@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pathlib
+import statistics
 from typing import Any, Mapping, Sequence
 
 from opdjax.budget import dose
@@ -186,7 +187,17 @@ def _method_lines(result: Mapping[str, Any]) -> list[str]:
             f"batch {base_cfg['rollout']['batch_size']}, task {base_cfg['task']['name']}. Baseline (no mismatch): "
             f"held-out reverse KL {b['initial_reverse_kl']:.2f} → {b['reverse_kl']:.3f} (seeds "
             f"{', '.join(f'{x:.3f}' for x in b['reverse_kl_seeds'])}), accuracy {b['initial_accuracy']:.2f} → "
-            f"{b['accuracy']:.3f}; {_stalls_text(b)}.", ""]
+            f"{b['accuracy']:.3f}; {_stalls_text(b)}.{_movement_text(b)}", ""]
+
+
+def _movement_text(b: Mapping[str, Any]) -> str:
+    """The baseline's per-step movement: per seed the median over steps of policy/step_k3 (k3 between consecutive
+    student versions on the learner's samples); their median and range. Empty when no seed logged it."""
+    m = sorted(x for x in b.get("policy_step_k3_median_seeds") or [] if x is not None)
+    if not m:
+        return ""
+    return (f" Per-step movement of the student (median policy/step_k3 over steps): {statistics.median(m):.2g} over seeds "
+            f"(range {m[0]:.2g}–{m[-1]:.2g}; at LLM scale ≤ 1e-3).")
 
 
 def _stalls_text(b: Mapping[str, Any]) -> str:

@@ -427,9 +427,12 @@ def _write_outputs(root: pathlib.Path, out: Mapping[str, Any], rows: Sequence[Ma
 
 
 def _baseline(base_recs: Sequence[RunResult]) -> dict[str, Any]:
-    """The baseline's reference values (`fit.baseline_stats`): quality losses are measured against its seeds."""
-    return baseline_stats({k: [getattr(r, k) for r in base_recs]
-                           for k in ("reverse_kl", "accuracy", "initial_reverse_kl", "initial_accuracy")})
+    """The baseline's reference values (`fit.baseline_stats`): quality losses are measured against its seeds; plus
+    each seed's per-step movement (median `policy/step_k3`), the student's step size the staleness knob rests on."""
+    out = baseline_stats({k: [getattr(r, k) for r in base_recs]
+                          for k in ("reverse_kl", "accuracy", "initial_reverse_kl", "initial_accuracy")})
+    out["policy_step_k3_median_seeds"] = [r.policy_step_k3_median for r in base_recs]
+    return out
 
 
 def _sweep_order(points: Sequence[Point]) -> list[Point]:

@@ -163,7 +163,8 @@ def _fake_runs(monkeypatch):
         rl = cfg.loss.name == "reinforce"
         rkl = 1.0 + 100 * s * s + (0.3 if rl else 0.0) + 0.01 * cfg.seed
         step = {"loss": 0.0, "grad_norm": 1.0, "mismatch/k3": s * s, "mismatch/k1": 0.0,
-                "mismatch/abs_log_ratio_p95": s, **({"reward_mean": 0.5} if rl else {})}
+                "mismatch/abs_log_ratio_p95": s, "policy/step_k3": 1e-4 * (1 + cfg.seed),
+                **({"reward_mean": 0.5} if rl else {})}
         (out / "metrics.jsonl").write_text(json.dumps({"step": 1, **step}) + "\n")
         (out / "student_final").mkdir(exist_ok=True)
         return {"steps": 1, "initial": {"eval/reverse_kl": 50.0, "eval/accuracy": 0.0},
@@ -211,6 +212,8 @@ def test_study_fits_the_knee_and_reports_rl_and_correction_phenomena(pair, tmp_p
     assert (tmp_path / "fake" / "results" / "opd__weight_noise=0.07").is_dir()  # an extra OPD run was trained
     md = (tmp_path / "fake" / "summary.md").read_text()
     assert "(a) OPD versus the RL baseline" in md and "Prefix shift" in md and "Per-token corrections" in md
+    assert out["baseline"]["policy_step_k3_median_seeds"] == pytest.approx([1e-4, 2e-4])  # seeds 0 and 1
+    assert "movement of the student (median policy/step_k3 over steps): 0.00015 over seeds (range 0.0001–0.0002" in md
 
 
 def test_prefix_shift_without_noise_reproduces_the_clean_samples(pair):
