@@ -135,11 +135,7 @@ def _opd_row(records: Mapping[str, list], by_id: Mapping[str, Mapping], sigma: f
     if not recs:
         return None
     row = by_id.get(pid)
-    return {"reverse_kl": float(np.mean([r.reverse_kl for r in recs])),
-            "accuracy": float(np.mean([r.accuracy for r in recs])),
-            "reverse_kl_seeds": [r.reverse_kl for r in recs], "accuracy_seeds": [r.accuracy for r in recs],
-            "m_probe": row["m_probe"] if row else None, "m_train": finite_mean(r.m_train_k3 for r in recs),
-            "nonfinite_steps": int(sum(r.nonfinite_steps for r in recs))}
+    return {**_seeds_row(recs), "m_probe": row["m_probe"] if row else None}
 
 
 def effect(level: Sequence[float], ref: Sequence[float], quality: str) -> dict[str, Any]:
@@ -170,7 +166,7 @@ def _rl_vs_opd(study: StudyConfig, records: Mapping[str, list], opd_row: Callabl
 
 
 def _seeds_row(recs: Sequence) -> dict[str, Any]:
-    """Means and per-seed finals of one group of runs (RL rows; OPD rows come from `_opd_row`)."""
+    """Means and per-seed finals of one group of runs (a method at one noise level)."""
     return {"reverse_kl": float(np.mean([r.reverse_kl for r in recs])),
             "accuracy": float(np.mean([r.accuracy for r in recs])),
             "reverse_kl_seeds": [r.reverse_kl for r in recs], "accuracy_seeds": [r.accuracy for r in recs],
