@@ -1,5 +1,5 @@
 """benchmarks/refit_budget.py: a finished study refitted on its own quality and delta gives its own B and interval
-back (the committed qwen3 sort-8 study); on accuracy it gives another budget, from the same runs."""
+back (the committed qwen3 sort-8 study of the 40-step instrument); on accuracy it gives another budget, from the same runs."""
 
 import json
 import pathlib
@@ -9,7 +9,7 @@ import pytest
 from tests.benchmarks.conftest import load_benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-STUDY = ROOT / "docs" / "budget_sort_cpu" / "budget.json"
+STUDY = ROOT / "docs" / "budget_sort_cpu_40steps" / "budget.json"
 
 
 @pytest.fixture(scope="module")
