@@ -155,8 +155,8 @@ def _rl_vs_opd(study: StudyConfig, records: Mapping[str, list], opd_row: Callabl
     opd0 = opd_for_rl(0.0)
     table = []
     for s in study.rl.levels():
-        rl = _seeds_row(records[study.rl.rl_point(s).id])
-        rl["reward_last"] = finite_mean(r.reward_last for r in records[study.rl.rl_point(s).id])
+        recs = records[study.rl.rl_point(s).id]
+        rl = {**_seeds_row(recs), "reward_last": finite_mean(r.reward_last for r in recs)}
         opd = opd_for_rl(s)
         for row, ref in ((rl, rl0), (opd, opd0)):
             if row is not None and ref is not None:
@@ -205,7 +205,7 @@ def _corrections_table(study: StudyConfig, records: Mapping[str, list], baseline
     against the mismatch-free baseline (q_loss, CI resampling the baseline's seeds too) and its effect against the
     uncorrected run at the same noise (vs_none: < 0 is a recovery; CI resampling both)."""
     s = float(study.shift.correction_noise)
-    key = "reverse_kl" if study.quality == "reverse_kl" else "accuracy"
+    key = study.quality  # the quality names are the records' keys ("reverse_kl", "accuracy")
     table = [{"correction": "none", **(opd_row(s) or {})}]
     for c in study.shift.corrections:
         table.append({"correction": c, **_seeds_row(records[noise_point(s, "correction", {"loss": {"correction": c}},

@@ -391,6 +391,9 @@ def _rl_verdict(rv) -> str:
     return head
 
 
+_WITHIN = {"admit": "within delta", "reject": "beyond delta", "borderline": "straddles delta"}
+
+
 def _corr_verdict(c, delta) -> str:
     """One sentence per correction: within delta of the baseline (CI below delta), and recovered against the
     uncorrected run (CI of vs_none below 0), each only when its interval says so."""
@@ -399,9 +402,8 @@ def _corr_verdict(c, delta) -> str:
         return ""
     parts = []
     for t in rows:
-        lo, hi = t.get("q_loss_ci") or (t["q_loss"], t["q_loss"])
-        where = "within delta" if hi <= delta else "beyond delta" if lo > delta else "straddles delta"
-        txt = f"{t['correction']}: {where}"
+        where = dose.runs_verdict(t.get("q_loss_ci") or (t["q_loss"], t["q_loss"]), delta)
+        txt = f"{t['correction']}: {_WITHIN[where]}"
         if "vs_none" in t:
             vlo, vhi = t["vs_none_ci"]
             txt += (", better than uncorrected" if vhi < 0 else ", worse than uncorrected" if vlo > 0
