@@ -8,6 +8,7 @@ Top-level shortcuts: `student=DIR teacher=DIR prompts=FILE.jsonl`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import difflib
@@ -506,9 +507,15 @@ def read_config_file(path: str | pathlib.Path) -> dict[str, Any]:
     return loaded
 
 
-def load(cls, path: str | pathlib.Path | None = None, overrides: list[str] = ()):
-    """Defaults <- YAML file <- overrides, validated. Dict-valued fields (options) are replaced, not merged."""
-    d: dict[str, Any] = read_config_file(path) if path is not None else {}
+def load(cls, path: str | pathlib.Path | Mapping[str, Any] | None = None, overrides: list[str] = ()):
+    """Defaults <- YAML file (or a mapping, e.g. a config a study recorded) <- overrides, validated.
+
+    Dict-valued fields (options) are replaced, not merged. A mapping is copied, never changed.
+    """
+    if isinstance(path, Mapping):
+        d: dict[str, Any] = copy.deepcopy(dict(path))
+    else:
+        d = read_config_file(path) if path is not None else {}
     for item in overrides:
         value = parse_override(item)
         check_expanded_size(value, f"override {item[:80]!r}")

@@ -28,15 +28,17 @@ registered in `quant.RECIPES` under its path, because `RolloutConfig.recipe` onl
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from opdjax.budget import probe as probe_mod
 from opdjax.budget.io import AdmissionError, Budget
 from opdjax.budget.records import AdmitRow
 from opdjax.budget.sequential import explain
 from opdjax.config import TrainConfig, load
+from opdjax.core.errors import ConfigError
 
-__all__ = ["VERDICTS", "verdict", "split_candidate", "candidate_config", "admit", "exit_code", "format_admit_table"]
+__all__ = ["VERDICTS", "verdict", "split_candidate", "candidate_config", "setup_source", "admit", "exit_code",
+           "format_admit_table"]
 
 
 VERDICTS = ("ADMIT", "REJECT", "UNCERTAIN")
@@ -87,9 +89,24 @@ def split_candidate(text: str) -> list[str]:
     return parts
 
 
-def candidate_config(config: str | None, overrides: Sequence[str], candidate: Sequence[str] = ()):
-    """TrainConfig = defaults <- config file <- global overrides <- candidate overrides (validated)."""
+def candidate_config(config: str | Mapping[str, Any] | None, overrides: Sequence[str], candidate: Sequence[str] = ()):
+    """TrainConfig = defaults <- config (a file, or a mapping: `setup_source`) <- global overrides <- candidate
+    overrides (validated)."""
     return load(TrainConfig, config, [*overrides, *candidate])  # a recipe file is read by quant.as_recipe
+
+
+def setup_source(budget: Budget, config: str | None) -> str | Mapping[str, Any] | None:
+    """What candidates are probed on: `config` when given; else the train config the budget's study recorded (the
+    pair, task, rollout and optim settings B was calibrated with: a candidate is judged on the setup its budget
+    holds for); else None (the embedded defaults, for a budget that recorded none)."""
+    if config is not None or budget.train_config is None:
+        return config
+    try:
+        load(TrainConfig, budget.train_config)
+    except ConfigError as e:
+        raise AdmissionError(f"budget file {budget.path}: the train config its study recorded does not load with "
+                             f"this opdjax ({e}); pass --config with the setup to probe") from e
+    return budget.train_config
 
 
 ProbeFn = Callable[..., Any]  # probe(cfg, budget, *, metric, risk, max_batches, seed, log) -> ProbeResult-like
@@ -99,6 +116,9 @@ def admit(candidates: Sequence[str], budget: Budget, *, config: str | None = Non
           probe_fn: ProbeFn | None = None, risk: float = 0.05, max_batches: int | None = None, seed: int = 0,
           log=print) -> list[AdmitRow]:
     """Probe each candidate (a comma-separated override string) sequentially and judge it against `budget`.
+
+    Each candidate is layered on `setup_source(budget, config)` (the budget's own setup unless `config` is given),
+    then `overrides`.
 
     Every candidate is parsed and its config validated, and `risk` and `max_batches` checked, before the first
     probe, so a typo fails fast. max_batches None: `probe.DEFAULT_MAX_BATCHES`.
@@ -110,7 +130,8 @@ def admit(candidates: Sequence[str], budget: Budget, *, config: str | None = Non
     if not isinstance(max_batches, int) or max_batches < 1:
         raise AdmissionError(f"--max-batches must be an integer >= 1, got {max_batches!r}")
     parsed = [(c, split_candidate(c)) for c in candidates]
-    cfgs = [candidate_config(config, overrides, parts) for _, parts in parsed]
+    source = setup_source(budget, config)
+    cfgs = [candidate_config(source, overrides, parts) for _, parts in parsed]
     rows = []
     for (text, parts), cfg in zip(parsed, cfgs):
         log(f"probing {text} ...")

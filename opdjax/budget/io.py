@@ -34,6 +34,7 @@ class Budget:
     delta: float | None = None
     path: str | None = None
     calibrated_on: Mapping[str, Any] | None = None  # `setup_fingerprint` of the study's setup, when recorded
+    train_config: Mapping[str, Any] | None = None  # the study's baseline train config (every field), when recorded
 
 
 def load_budget(path: str | pathlib.Path) -> Budget:
@@ -71,7 +72,21 @@ def load_budget(path: str | pathlib.Path) -> Budget:
     if on is not None and not isinstance(on, dict):
         raise AdmissionError(f"budget file {p}: 'calibrated_on' must be an object (a setup fingerprint), got {on!r}")
     return Budget(metric=metric, budget=float(b), delta=None if delta is None else float(delta), path=str(p),
-                  calibrated_on=on)
+                  calibrated_on=on, train_config=_recorded_train_config(p, d))
+
+
+def _recorded_train_config(p: pathlib.Path, d: Mapping[str, Any]) -> dict[str, Any] | None:
+    """budget.json's config.base_train_config (the study's baseline TrainConfig as a dict), or None if absent."""
+    study_cfg = d.get("config")
+    if study_cfg is None:
+        return None
+    if not isinstance(study_cfg, dict):
+        raise AdmissionError(f"budget file {p}: 'config' must be an object (the study's config), got {study_cfg!r}")
+    tc = study_cfg.get("base_train_config")
+    if tc is not None and not isinstance(tc, dict):
+        raise AdmissionError(f"budget file {p}: 'config.base_train_config' must be an object (a train config), "
+                             f"got {tc!r}")
+    return tc
 
 
 def _weights_sha256(model_dir: str | pathlib.Path) -> str:

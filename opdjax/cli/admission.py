@@ -10,7 +10,7 @@ import pathlib
 import sys
 
 from opdjax import quant
-from opdjax.budget.admit import admit, candidate_config, exit_code, format_admit_table
+from opdjax.budget.admit import admit, candidate_config, exit_code, format_admit_table, setup_source
 from opdjax.budget.io import (
     AdmissionError,
     Budget,
@@ -51,9 +51,18 @@ def _warn_if_other_setup(budget: Budget, cfg) -> None:
         print(f"warning: {msg}", file=sys.stderr)
 
 
+def _budget_setup(budget: Budget, config: str | None):
+    """`setup_source(budget, config)`, saying on stderr when it is the budget's own recorded setup."""
+    source = setup_source(budget, config)
+    if source is not None and source is budget.train_config:
+        print(f"probing on the setup {budget.path} was calibrated with (its study's baseline train config); "
+              f"--set goes on top of it, --config replaces it", file=sys.stderr)
+    return source
+
+
 def _cmd_admit(args) -> int:
     budget = load_budget(args.budget)
-    _warn_if_other_setup(budget, candidate_config(args.config, args.set or []))
+    _warn_if_other_setup(budget, candidate_config(_budget_setup(budget, args.config), args.set or []))
     rows = admit(args.candidates, budget, config=args.config, overrides=args.set or [], risk=args.risk,
                  max_batches=args.max_batches, seed=args.seed)
     print(format_admit_table(rows, budget))
@@ -89,7 +98,7 @@ def _cmd_sensitivity(args) -> int:
 
 def _cmd_recipe_search(args) -> int:
     budget = load_budget(args.budget)
-    cfg = candidate_config(args.config, args.overrides)
+    cfg = candidate_config(_budget_setup(budget, args.config), args.overrides)
     _warn_if_other_setup(budget, cfg)
     res = recipe_search(cfg, budget, margin=args.margin, by=args.by, batches=args.batches, seed=args.seed,
                         memory_bytes=args.memory_gb * (1 << 30), name=args.name, kv_scales=_kv_scales_arg(args, cfg))
@@ -116,8 +125,11 @@ def _cmd_capacity(args) -> int:
     return 0
 
 
-def _common(p: argparse.ArgumentParser, *, overrides: bool = True, batches: bool = True) -> None:
-    p.add_argument("--config", default=None, help="YAML config (default: the embedded tiny_cpu defaults)")
+def _common(p: argparse.ArgumentParser, *, overrides: bool = True, batches: bool = True,
+            budget: bool = False) -> None:
+    p.add_argument("--config", default=None,
+                   help="YAML config (default: the train config the budget's study recorded, the setup B holds for)"
+                   if budget else "YAML config (default: the embedded tiny_cpu defaults)")
     if batches:
         p.add_argument("--batches", type=int, default=4,
                        help="probe batches per measurement (rollout.batch_size each)")
@@ -138,7 +150,7 @@ def add_admission_commands(subparsers) -> None:
                               description="Exit code: 0 if every candidate is ADMITted, 1 otherwise, 2 on bad "
                                           "input.")
     a.add_argument("--budget", required=True, help="budget.json written by `opdjax study`")
-    _common(a, overrides=False, batches=False)
+    _common(a, overrides=False, batches=False, budget=True)
     a.add_argument("--risk", type=float, default=0.05,
                    help="chance of a false ADMIT (and, separately, of a false REJECT) the sequential probe allows; "
                         "smaller means more batches or more UNCERTAIN (default 0.05)")
@@ -164,7 +176,7 @@ def add_admission_commands(subparsers) -> None:
 
     r = subparsers.add_parser("recipe-search", help="greedy FP8 recipe (layers kept in BF16) that fits the budget")
     r.add_argument("--budget", required=True)
-    _common(r)
+    _common(r, budget=True)
     r.add_argument("--margin", type=float, default=0.8, help="fit when M <= margin * B (and CI high <= B)")
     r.add_argument("--by", default="layer", choices=[b for b in BY_CHOICES if b != "module"])
     r.add_argument("--memory-gb", type=float, default=80.0, help="device memory for the KV-capacity accounting")

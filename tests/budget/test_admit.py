@@ -173,6 +173,41 @@ def test_admit_cli_usage_errors_exit_2(tmp_path, monkeypatch, capsys):
     assert probe.calls == []  # nothing probed: every candidate is validated first
 
 
+def test_admit_probes_on_the_setup_the_budget_recorded_unless_told_otherwise(tmp_path, monkeypatch, capsys):
+    """A budget holds for the setup its study trained: without --config, candidates are layered on the study's
+    recorded train config; --set and the candidate go on top; --config replaces it; a budget without one (older
+    files) falls back to the defaults."""
+    recorded = {"task": {"name": "sort", "options": {"length": 5}}, "optim": {"lr": 1.5e-4},
+                "rollout": {"batch_size": 12, "max_new_tokens": 9}}
+    budget = write_budget(tmp_path, config={"base_train_config": recorded})
+    probe = FakeProbe()
+    assert run_cli(["admit", "--budget", budget, "--set", "rollout.batch_size=16", "rollout.weight_noise=0.001"],
+                   monkeypatch, probe) == 0
+    cfg = probe.calls[-1]
+    assert (cfg.task.name, cfg.task.options, cfg.optim.lr) == ("sort", {"length": 5}, 1.5e-4)
+    assert (cfg.rollout.batch_size, cfg.rollout.max_new_tokens, cfg.rollout.weight_noise) == (16, 9, 0.001)
+    assert "probing on the setup" in capsys.readouterr().err
+    assert recorded["rollout"] == {"batch_size": 12, "max_new_tokens": 9}  # the budget's mapping is not changed
+    other = tmp_path / "other.yaml"
+    other.write_text("rollout:\n  max_new_tokens: 7\n")
+    run_cli(["admit", "--budget", budget, "--config", str(other), "rollout.weight_noise=0.001"], monkeypatch, probe)
+    default = admit.candidate_config(None, [])
+    assert (probe.calls[-1].rollout.max_new_tokens, probe.calls[-1].task) == (7, default.task)
+    run_cli(["admit", "--budget", write_budget(tmp_path), "rollout.weight_noise=0.001"], monkeypatch, probe)
+    assert probe.calls[-1].task == default.task and "probing on the setup" not in capsys.readouterr().err
+
+
+def test_a_budget_whose_recorded_config_does_not_load_says_so(tmp_path, monkeypatch, capsys):
+    probe = FakeProbe()
+    budget = write_budget(tmp_path, config={"base_train_config": {"rollout": {"batch_sise": 4}}})
+    assert run_cli(["admit", "--budget", budget, "rollout.weight_noise=0.001"], monkeypatch, probe) == 2
+    err = capsys.readouterr().err
+    assert "the train config its study recorded does not load" in err and "batch_sise" in err
+    assert probe.calls == []
+    with pytest.raises(AdmissionError, match="'config.base_train_config' must be an object"):
+        bio.load_budget(write_budget(tmp_path, config={"base_train_config": [1]}))
+
+
 # ------------------------------------------------------------------------------------------------------ recipes
 
 
