@@ -51,8 +51,9 @@ from opdjax.budget.records import Point, noise_point  # noqa: E402
 # Candidates, none a level of configs/budget_cpu.yaml (its sweep is the baseline plus the weight-noise levels the
 # knee search picks; a candidate that coincides with a searched level is refused below). Ten fixed ones: every
 # other knob than the one B was fitted on (recipes, staleness, a combination), to test the claim that M is one
-# scale for all of them; where they fall relative to B depends on the pair. Plus three weight-noise levels placed
-# from the study's own knee (`knee_candidates`), so that every pair gets candidates below, near and above B.
+# scale for all of them; where they fall relative to B depends on the pair. Plus three or four weight-noise levels
+# placed from the study's own knee (`knee_candidates`), so that every pair gets candidates below, near and above
+# B, and at >= 3 B where a searched level reached it (the report says how many candidates probe <= B/3, >= 3 B).
 FIXED_CANDIDATES = [
     "rollout.recipe=int8_w8a8",
     "rollout.recipe=fp8_weights_only",
@@ -177,14 +178,24 @@ def main(argv=None) -> int:
            "probe_seconds_per_candidate_cold": cold / len(candidates),
            "max_probe_seconds": max(r["probe_seconds"] for r in rows),
            "mean_study_point_seconds": mean_point, "probe_cost_ratio": warm / len(candidates) / mean_point,
-           "probe_cost_ratio_cold": cold / len(candidates) / mean_point}
+           "probe_cost_ratio_cold": cold / len(candidates) / mean_point,
+           **m_coverage(rows, bj["budget"])}
     (out / "validity.json").write_text(json.dumps(rep, indent=2) + "\n")
     bj["validity"] = rep
     (out / "summary.md").write_text(report.summary_markdown(bj))
     print()
     print(report.validity_markdown(rep))
+    print(f"{len(rep['below_b_over_3'])} candidate(s) probe at <= B/3, {len(rep['above_3b'])} at >= 3 B "
+          f"(largest M {rep['max_m']:.3g} = {rep['max_m'] / bj['budget']:.2f} B)")
     print(f"wrote {out / 'validity.json'}; {out / 'summary.md'} now has the table")
     return 0
+
+
+def m_coverage(rows: list[dict], budget: float) -> dict:
+    """Where the candidates' probe M fall against B: those at <= B/3 and >= 3 B, and the largest M."""
+    return {"below_b_over_3": [r["candidate"] for r in rows if r["m"] <= budget / 3],
+            "above_3b": [r["candidate"] for r in rows if r["m"] >= 3 * budget],
+            "max_m": max(r["m"] for r in rows)}
 
 
 def truth_seeds(study_seeds, n: int | None) -> list[int]:

@@ -114,11 +114,12 @@ def knee_search(knee: KneeConfig, delta: float, measure: Callable[[float], tuple
 
 
 def knee_candidates(points: Sequence[Mapping[str, Any]], budget: float) -> list[float]:
-    """Three weight-noise levels around a study's knee, for validating the budget on configurations it was not
-    fitted on: with sigma_w the largest searched sigma whose probe M <= B and sigma_b the smallest with M > B,
+    """Weight-noise levels around a study's knee, for validating the budget on configurations it was not fitted
+    on: with sigma_w the largest searched sigma whose probe M <= B and sigma_b the smallest with M > B,
     sigma_w / 2 (below: M ~ B/4 as M grows ~ sigma^2), sqrt(sigma_w sigma_b) (inside the bracket) and
-    1.5 sigma_b (above), each rounded like the searched levels and nudged (x0.9, x1.05, x1.1) off any searched
-    level. [] when the points do not bracket B.
+    1.5 sigma_b (above); plus 1.1 sigma_3 (far above) when sigma_3, the smallest searched sigma whose M >= 3 B,
+    exceeds 1.5 sigma_b (a candidate that 1.5 sigma_b may leave short of 3 B). Each is rounded like the searched
+    levels and nudged (x0.9, x1.05, x1.1) off any searched level. [] when the points do not bracket B.
 
     points: budget.json's "points" ({"knob", "value", "m_probe"})."""
     noise = [(p["value"], p["m_probe"]) for p in points
@@ -135,7 +136,11 @@ def knee_candidates(points: Sequence[Mapping[str, Any]], budget: float) -> list[
             x *= nudge
         return round_level(x)
 
-    return [unsearched(s_w / 2, 0.9), unsearched(math.sqrt(s_w * s_b), 1.05), unsearched(1.5 * s_b, 1.1)]
+    levels = [unsearched(s_w / 2, 0.9), unsearched(math.sqrt(s_w * s_b), 1.05), unsearched(1.5 * s_b, 1.1)]
+    far = [s for s, m in noise if m >= 3 * budget]
+    if far and min(far) > 1.5 * s_b:
+        levels.append(unsearched(1.1 * min(far), 1.1))
+    return levels
 
 
 def sweep_points(study: StudyConfig) -> list[Point]:

@@ -34,3 +34,9 @@ def test_knee_candidates_carry_the_study_noise_kind(bench):
                                                 "rollout.weight_noise=0.03"]
     kind = load_study(ROOT / "configs" / "budget_cpu.yaml", ["base.rollout.noise_mode=rounding"])
     assert all(c.endswith(",rollout.noise_mode=rounding") for c in bench.knee_candidates(bj, kind))
+
+
+def test_m_coverage_counts_candidates_at_a_third_of_b_and_at_three_times_b(bench):
+    rows = [{"candidate": "a", "m": 0.1}, {"candidate": "b", "m": 1 / 3}, {"candidate": "c", "m": 1.0},
+            {"candidate": "d", "m": 3.0}, {"candidate": "e", "m": 2.9}]
+    assert bench.m_coverage(rows, 1.0) == {"below_b_over_3": ["a", "b"], "above_3b": ["d"], "max_m": 3.0}

@@ -281,6 +281,12 @@ def test_knee_candidates_sit_below_inside_and_above_the_bracket_and_never_on_a_s
     assert study_mod.knee_candidates(pts(odd), 1e-3) == [0.018, 0.021, 0.015]  # 0.04/2 and sqrt(0.04*0.01) nudged
     assert study_mod.knee_candidates(pts(searched), 0.05) == []  # nothing beyond B: no bracket, no candidates
     assert study_mod.knee_candidates(pts(searched), 1e-3) == []  # nothing within B
+    # docs/budget_sort_cpu_llama: B 1.42, 1.5 sigma_b = 1.5 probes 3.6 < 3 B; sigma 2.0 (M 8.64) is the first >= 3 B
+    llama = [(0.5, 0.74), (1.0, 2.02), (2.0, 8.64), (3.0, 15.0)]
+    assert study_mod.knee_candidates(pts(llama), 1.42) == [0.25, 0.707, 1.5, 2.2]
+    # docs/budget_sort_cpu (qwen3): M saturates near 16 < 3 B = 22.7, so no level reaches 3 B: no fourth candidate
+    qwen3 = [(0.5, 1.78), (1.0, 5.97), (2.0, 12.4), (3.0, 15.4)]
+    assert study_mod.knee_candidates(pts(qwen3), 7.57) == [0.45, 1.41, 3.3]
 
 def test_adaptive_study_reports_a_bracketed_b_and_a_fixed_sweep_that_misses_the_knee_is_unresolved(
         pair, tmp_path, monkeypatch):
@@ -390,6 +396,9 @@ def test_validity_table_scores_decided_candidates_and_reports_borderline_ones_ap
     assert "Agreement: **2/3** of the decided candidates (67%" in md and "borderline (not scored): 1 of 4: c" in md
     assert "False ADMITs: 1 (d)" in md and "**2.0% cold, 1.0% warm**" in md
     assert "| `c` |" in md and "| borderline | – |" in md
+    assert "Range:" not in md  # files written before the range was recorded
+    md = report.validity_markdown({**rep, "below_b_over_3": ["a", "b"], "above_3b": [], "max_m": 2.5e-3})
+    assert "Range: 2 candidates probe at ≤ B/3, 0 at ≥ 3·B; the largest M is 0.0025 (2.50·B)." in md
 
 
 def test_run_identity_reuses_records_written_before_dtype_auto_and_fp8_emulation():
