@@ -87,14 +87,13 @@ def candidate_point(text: str) -> Point:
                             probe=False, label="cand")
 
 
-def timed_admit(budget_path: str, candidates: list[str], base: list[str], risk: float, max_batches: int | None,
+def timed_admit(budget_path: str, candidates: list[str], risk: float, max_batches: int | None,
                 cache: pathlib.Path, out: pathlib.Path) -> tuple[float, list[dict]]:
-    """`opdjax admit` in a fresh process with the compilation cache at `cache`: (wall seconds, its rows)."""
+    """`opdjax admit` in a fresh process with the compilation cache at `cache`: (wall seconds, its rows). It probes
+    on the setup the budget recorded (the study's baseline train config), as a user's `opdjax admit` does."""
     cmd = [sys.executable, "-c", "import sys; from opdjax.cli import main; sys.exit(main())", "admit",
            "--budget", budget_path, "--risk", str(risk), "--out", str(out)]
     cmd += ["--max-batches", str(max_batches)] if max_batches else []
-    for b in base:
-        cmd += ["--set", b]
     t0 = time.time()
     rc = subprocess.run(cmd + candidates, env={**os.environ, "OPDJAX_JAX_CACHE": str(cache)}).returncode
     wall = time.time() - t0
@@ -135,10 +134,9 @@ def main(argv=None) -> int:
     # 1. The probe verdicts, exactly as `opdjax admit --budget ... CANDIDATES` computes them: cold, then warm.
     out = pathlib.Path(args.budget).parent
     with tempfile.TemporaryDirectory() as tmp:
-        base = _base_overrides(study)
-        cold, _ = timed_admit(args.budget, candidates, base, args.risk, args.max_batches, pathlib.Path(tmp) / "jax",
+        cold, _ = timed_admit(args.budget, candidates, args.risk, args.max_batches, pathlib.Path(tmp) / "jax",
                               pathlib.Path(tmp) / "cold.json")
-        warm, admit_rows = timed_admit(args.budget, candidates, base, args.risk, args.max_batches,
+        warm, admit_rows = timed_admit(args.budget, candidates, args.risk, args.max_batches,
                                        pathlib.Path(tmp) / "jax", pathlib.Path(tmp) / "warm.json")
     log(f"admit: {cold:.1f} s cold, {warm:.1f} s warm for {len(candidates)} candidates")
     # 2. The full-run verdicts: as the study trains its points, on its seeds (and more with --seeds).
@@ -212,17 +210,6 @@ def truth_seeds(study_seeds, n: int | None) -> list[int]:
 def _resolved(study, overrides) -> dict:
     """The run a point with `overrides` trains (first seed), as a dict: equal dicts, same runs."""
     return budget_mod.run_identity(to_dict(study.train_config_for(overrides, study.seeds[0])))
-
-
-def _base_overrides(study) -> list[str]:
-    """The study's base TrainConfig overrides as key=value strings (the probe sees the study's config)."""
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            if isinstance(v, dict) and k not in ("options", "vllm", "correction_options"):
-                yield from flat(v, f"{prefix}{k}.")
-            else:
-                yield f"{prefix}{k}={json.dumps(v)}"
-    return list(flat(study.base))
 
 
 if __name__ == "__main__":
