@@ -95,7 +95,7 @@ def candidate_config(config: str | Mapping[str, Any] | None, overrides: Sequence
     return load(TrainConfig, config, [*overrides, *candidate])  # a recipe file is read by quant.as_recipe
 
 
-def setup_source(budget: Budget, config: str | None) -> str | Mapping[str, Any] | None:
+def setup_source(budget: Budget, config: str | Mapping[str, Any] | None) -> str | Mapping[str, Any] | None:
     """What candidates are probed on: `config` when given; else the train config the budget's study recorded (the
     pair, task, rollout and optim settings B was calibrated with: a candidate is judged on the setup its budget
     holds for); else None (the embedded defaults, for a budget that recorded none)."""
@@ -112,7 +112,8 @@ def setup_source(budget: Budget, config: str | None) -> str | Mapping[str, Any] 
 ProbeFn = Callable[..., Any]  # probe(cfg, budget, *, metric, risk, max_batches, seed, log) -> ProbeResult-like
 
 
-def admit(candidates: Sequence[str], budget: Budget, *, config: str | None = None, overrides: Sequence[str] = (),
+def admit(candidates: Sequence[str], budget: Budget, *, config: str | Mapping[str, Any] | None = None,
+          overrides: Sequence[str] = (),
           probe_fn: ProbeFn | None = None, risk: float = 0.05, max_batches: int | None = None, seed: int = 0,
           log=print) -> list[AdmitRow]:
     """Probe each candidate (a comma-separated override string) sequentially and judge it against `budget`.

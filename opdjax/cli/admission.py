@@ -62,8 +62,9 @@ def _budget_setup(budget: Budget, config: str | None):
 
 def _cmd_admit(args) -> int:
     budget = load_budget(args.budget)
-    _warn_if_other_setup(budget, candidate_config(_budget_setup(budget, args.config), args.set or []))
-    rows = admit(args.candidates, budget, config=args.config, overrides=args.set or [], risk=args.risk,
+    source = _budget_setup(budget, args.config)
+    _warn_if_other_setup(budget, candidate_config(source, args.set or []))
+    rows = admit(args.candidates, budget, config=source, overrides=args.set or [], risk=args.risk,
                  max_batches=args.max_batches, seed=args.seed)
     print(format_admit_table(rows, budget))
     if args.out:
