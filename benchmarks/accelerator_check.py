@@ -55,7 +55,7 @@ from opdjax.learner import Learner, make_optimizer  # noqa: E402
 from opdjax.models import decoder  # noqa: E402
 from opdjax.models.config import ModelConfig  # noqa: E402
 from opdjax.rollout.base import SamplingParams  # noqa: E402
-from opdjax.rollout.jax_engine import JaxEngine  # noqa: E402
+from opdjax.rollout import EngineMismatch, JaxEngine  # noqa: E402
 
 ISSUE_PEAK_TFLOPS = 790.0
 
@@ -524,7 +524,8 @@ def section_fp8(rep: Report, wl: Workload, eng_state: dict):
     ref = JaxEngine(cfg, params, dtype=jnp.bfloat16, graphdef=gd).score(tokens, valid)["logp_BT"]
     sim = {}
     for name in ("fp8_w8a8", "fp8_weights_only"):
-        lp = JaxEngine(cfg, params, dtype=jnp.bfloat16, recipe=name, graphdef=gd).score(tokens, valid)["logp_BT"]
+        engine = JaxEngine(cfg, params, dtype=jnp.bfloat16, graphdef=gd, mismatch=EngineMismatch(recipe=name))
+        lp = engine.score(tokens, valid)["logp_BT"]
         sim[name] = float(mismatch.metrics(jnp.asarray(ref), jnp.asarray(lp), jnp.asarray(mask))["k3"])
     real, how = {}, "torch unavailable"
     torch = _torch()

@@ -35,7 +35,7 @@ from opdjax.learner.learner import Learner  # noqa: E402
 from opdjax.models import ModelConfig, decoder, hf  # noqa: E402
 from opdjax.models.tiny import make_tiny  # noqa: E402
 from opdjax.rollout import SamplingParams  # noqa: E402
-from opdjax.rollout.jax_engine import JaxEngine  # noqa: E402
+from opdjax.rollout import EngineMismatch, JaxEngine  # noqa: E402
 from opdjax.rollout.vllm_settings import VllmSettingsError, vllm_settings  # noqa: E402
 
 RECIPES = ("fp8_w8a8", "fp8_w8a8_tensor", "fp8_weights_only")
@@ -64,7 +64,7 @@ def main() -> None:
     sp = SamplingParams(max_new_tokens=a.tokens, temperature=1.0)
 
     def jax_engine(recipe=None):
-        e = JaxEngine(cfg, recipe=recipe, dtype="bfloat16")
+        e = JaxEngine(cfg, dtype="bfloat16", mismatch=EngineMismatch(recipe=recipe))
         e.update_weights(named, 1)
         return e
 

@@ -36,7 +36,7 @@ from opdjax.core import mismatch  # noqa: E402
 from opdjax.models import ModelConfig, decoder, hf  # noqa: E402
 from opdjax.models.tiny import make_tiny  # noqa: E402
 from opdjax.rollout import SamplingParams  # noqa: E402
-from opdjax.rollout.jax_engine import JaxEngine  # noqa: E402
+from opdjax.rollout import EngineMismatch, JaxEngine  # noqa: E402
 
 ENGINE_KW = dict(kv_cache_memory_bytes=64 << 20, max_model_len=256, max_num_seqs=64)
 FUSED = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up"), "self_attn.o_proj": ("o",),
@@ -91,7 +91,7 @@ def check_version(engine, cfg, recipe: str, named, prompts, sp) -> dict:
            "logp_BT": batch.rollout_logp_BT, "mask": m}
     lp = {}
     for key, r in rivals(recipe).items():
-        e = JaxEngine(cfg, recipe=r, dtype="bfloat16")
+        e = JaxEngine(cfg, dtype="bfloat16", mismatch=EngineMismatch(recipe=r))
         e.update_weights(named, version)
         lp[key] = e.score(batch.tokens_BT, batch.valid_BT)["logp_BT"]
         out[f"gap_{key}"] = float(np.abs(lp[key] - batch.rollout_logp_BT)[m].mean())

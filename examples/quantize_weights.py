@@ -24,7 +24,8 @@ def main(model_dir: str | None = None, recipe: str = "fp8_w8a8") -> dict:
     print(f"{len(err)} kernels quantized by {recipe}; relative error {min(err.values()):.4f}..{max(err.values()):.4f}")
 
     clean = opdjax.JaxEngine.from_pretrained(model_dir)
-    engine = opdjax.JaxEngine.from_pretrained(model_dir, recipe=recipe)  # weights, activations (and KV) as served
+    # weights, activations (and KV) as served
+    engine = opdjax.JaxEngine.from_pretrained(model_dir, mismatch=opdjax.EngineMismatch(recipe=recipe))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, 6).tolist() for _ in range(16)]
     batch = engine.generate(prompts, opdjax.SamplingParams(max_new_tokens=16), seed=0)

@@ -27,7 +27,7 @@ EXPORTS: dict[str, str] = {
     "register_loss": "opdjax.core.losses", "register_correction": "opdjax.core.corrections",
     "ModelConfig": "opdjax.models",
     "RolloutBatch": "opdjax.rollout", "RolloutEngine": "opdjax.rollout", "SamplingParams": "opdjax.rollout",
-    "JaxEngine": "opdjax.rollout", "VllmEngine": "opdjax.rollout.vllm_engine",
+    "JaxEngine": "opdjax.rollout", "EngineMismatch": "opdjax.rollout", "VllmEngine": "opdjax.rollout.vllm_engine",
     "Teacher": "opdjax.teacher", "TeacherScores": "opdjax.teacher", "JaxTeacher": "opdjax.teacher",
     "Learner": "opdjax.learner", "TrainState": "opdjax.learner", "make_optimizer": "opdjax.learner",
     "CausalLMAdapter": "opdjax.learner", "LogitsAdapter": "opdjax.learner",

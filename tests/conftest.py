@@ -38,6 +38,24 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(scope="session")
+def used_checkout(tmp_path_factory) -> pathlib.Path:
+    """A directory like a checkout after `make demo`: `runs/demo` holds a finished previous run."""
+    root = tmp_path_factory.mktemp("used_checkout")
+    demo = root / "runs" / "demo"
+    demo.mkdir(parents=True)
+    for name, text in (("config.json", "{}"), ("summary.json", '{"steps": 1}'), ("metrics.jsonl", '{"step": 1}\n')):
+        (demo / name).write_text(text)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _from_a_used_checkout(used_checkout, monkeypatch):
+    """Every test runs from a directory that holds a previous `runs/demo` (what `make demo` leaves), never from the
+    repository: a test that depends on the working directory (a relative path, the default out_dir) fails here."""
+    monkeypatch.chdir(used_checkout)
+
+
+@pytest.fixture(scope="session")
 def cpu_devices():
     devs = jax.devices("cpu")
     assert len(devs) >= 8, f"expected 8 CPU devices from JAX_NUM_CPU_DEVICES, got {len(devs)}"

@@ -1,5 +1,7 @@
 """Config loading: defaults, YAML, overrides, and clear errors for bad keys and values."""
 
+import pathlib
+
 import pytest
 
 from opdjax.cli.main import main
@@ -7,8 +9,9 @@ from opdjax.config import ConfigError, TrainConfig, dump_yaml, load
 
 
 def test_shipped_yaml_equals_embedded_defaults():
-    assert load(TrainConfig, "configs/tiny_cpu.yaml") == load(TrainConfig)
-    assert dump_yaml(load(TrainConfig)) == open("configs/tiny_cpu.yaml").read()
+    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+    assert load(TrainConfig, path) == load(TrainConfig)
+    assert dump_yaml(load(TrainConfig)) == path.read_text()
 
 
 def test_overrides_and_shortcuts(tmp_path):
@@ -58,7 +61,9 @@ def test_missing_config_file_is_a_clear_error(tmp_path):
 
 def test_cli_reports_model_and_checkpoint_errors_without_a_traceback(capsys, tmp_path, pair):
     """A student directory that does not exist, a directory without config.json and an unsupported model_type:
-    one line naming the problem, exit 2 (the model-config and checkpoint errors are user errors too)."""
+    one line naming the problem, exit 2 (the model-config and checkpoint errors are user errors too). Run from a
+    directory whose default out_dir holds a previous run: the bad model is named, not the run-directory conflict."""
+    assert pathlib.Path("runs/demo/summary.json").is_file()  # the conftest's used checkout
     import json
     import shutil
 

@@ -22,7 +22,7 @@ from opdjax.models import ModelConfig, hf
 from opdjax.models.tiny import load_tokenizer
 from opdjax.pipeline.build import resolve_models, sampling_params
 from opdjax.pipeline.opd import completion_texts
-from opdjax.rollout.jax_engine import JaxEngine
+from opdjax.rollout import EngineMismatch, JaxEngine
 
 
 Log = Callable[[str], None]
@@ -70,7 +70,7 @@ def prefix_shift(student_path: str | pathlib.Path, cfg: TrainConfig, sigmas: Seq
         acc: dict[str, list] = {}
         for s in seeds:
             a = clean.generate(enc, sp, seed=1000 + s)
-            noisy = JaxEngine(mcfg, params, weight_noise=float(sigma), seed=s, **kw)
+            noisy = JaxEngine(mcfg, params, mismatch=EngineMismatch(weight_noise=float(sigma)), seed=s, **kw)
             b = noisy.generate(enc, sp, seed=1000 + s)
             pi = clean.score(b.tokens_BT, b.valid_BT, temperature=T)["logp_BT"]
             vals = _shift_metrics(a, b, pi, completion_texts(tok, a), completion_texts(tok, b), grades, N)

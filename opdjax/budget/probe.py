@@ -35,7 +35,7 @@ from opdjax.data.prompts import PromptStream
 from opdjax.models import decoder
 from opdjax.pipeline.build import build
 from opdjax.pipeline.opd import generate, opd_step
-from opdjax.rollout import RolloutBatch
+from opdjax.rollout import EngineMismatch, RolloutBatch
 
 __all__ = ["DEFAULT_MAX_BATCHES", "Rescored", "bootstrap_ci", "cache_amax", "calibrate_kv", "kv_amax",
            "per_sequence_terms", "probe", "probe_sequential", "rescore"]
@@ -202,8 +202,7 @@ def kv_amax(cfg: TrainConfig, *, batches: int = 2, seed: int = 0, log=print) -> 
     prompts (a stream disjoint from the probe's); `cache_amax` of each whole sequence, max over batches. Feed the
     result to `quant.calibrate_kv_scales` for per-layer FP8 KV scales (scale = amax / fmt_max).
     """
-    clean = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, recipe="none", weight_noise=0.0,
-                                                                  stale_versions=0))
+    clean = dataclasses.replace(cfg, rollout=cfg.rollout.with_mismatch(EngineMismatch()))
     with build(clean, log=log, with_teacher=False) as run:
         stream = PromptStream(run.task, seed=cfg.seed + 977 + seed)
         out = np.zeros((run.student_cfg.num_layers, 2))

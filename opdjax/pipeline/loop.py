@@ -28,7 +28,7 @@ from opdjax.learner import latest_step, restore_checkpoint, save_checkpoint
 from opdjax.learner.distributed import agree, barrier, gathered, row_share
 from opdjax.models import hf
 from opdjax.pipeline import rundir
-from opdjax.pipeline.build import Run, build, make_evaluator
+from opdjax.pipeline.build import Run, build, check_inputs, make_evaluator
 from opdjax.pipeline.logger import MetricsLogger
 from opdjax.pipeline.opd import generate, publish, rollout_seed, train_on
 from opdjax.rollout import RolloutBatch
@@ -104,8 +104,10 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any
     """Run OPD as configured; returns the summary (also written to <out_dir>/summary.json).
 
     The run directory is claimed first (`rundir`): a busy one, or a previous run that a fresh run would destroy,
-    is refused before anything is built; resuming a finished run returns its summary and changes nothing."""
+    is refused before anything is built; resuming a finished run returns its summary and changes nothing. Bad input
+    (a model directory that does not exist, a mesh this machine cannot hold) is named before the run directory."""
     out = pathlib.Path(cfg.pipeline.out_dir)
+    check_inputs(cfg)
     held = _claim(out, cfg)
     try:
         done = _finished(out, cfg) if cfg.pipeline.resume else None

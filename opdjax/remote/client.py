@@ -40,7 +40,7 @@ from opdjax.teacher.base import TeacherScores
 
 log = logging.getLogger("opdjax.remote")
 
-__all__ = ["RemoteEngine", "RemoteTeacher", "ServerRefused", "ServersUnavailable", "read_token"]
+__all__ = ["CallSettings", "RemoteEngine", "RemoteTeacher", "ServerRefused", "ServersUnavailable", "read_token"]
 
 
 class ServerRefused(InputError):
@@ -57,6 +57,29 @@ class _Down(Exception):
 
 class _NotFound(ServerRefused):
     """The server has no such endpoint (HTTP 404)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSettings:
+    """How a client calls its servers (one value shared by `RemoteEngine` and `RemoteTeacher`).
+
+    timeout   seconds one generate/score request may take (`sync.request_timeout`)
+    retries   extra attempts of a failed share before the run waits for a server (`sync.retries`)
+    backoff   seconds before the first retry, doubled on each (exponential backoff)
+    wait_s    how long to wait, probing /health, when no server answers before `ServersUnavailable` (`sync.wait_s`)
+    """
+
+    timeout: float = 120.0
+    retries: int = 3
+    backoff: float = 0.5
+    wait_s: float = 60.0
+
+    def __post_init__(self):
+        for name in ("timeout", "backoff", "wait_s"):
+            if not float(getattr(self, name)) > 0:
+                raise InputError(f"CallSettings.{name} must be > 0, got {getattr(self, name)!r}")
+        if int(self.retries) != self.retries or self.retries < 0:
+            raise InputError(f"CallSettings.retries must be an integer >= 0, got {self.retries!r}")
 
 
 def read_token(path: str) -> str:
@@ -134,12 +157,12 @@ def _error_message(e: urllib.error.HTTPError) -> str:
 class _Pool:
     """Servers of one role with the shared retry / wait / resync policy."""
 
-    def __init__(self, role: str, endpoints: Sequence[str], token: str, *, timeout: float, retries: int,
-                 backoff: float, wait_s: float, check: Callable[[_Server], None], log_fn=None):
+    def __init__(self, role: str, endpoints: Sequence[str], token: str, calls: CallSettings, *,
+                 check: Callable[[_Server], None], log_fn=None):
         if not endpoints:
             raise InputError(f"{role}.endpoints is empty; give host:port of at least one server")
-        self.role, self.retries, self.backoff, self.wait_s = role, int(retries), float(backoff), float(wait_s)
-        self.servers = [_Server(e, token, timeout) for e in endpoints]
+        self.role, self.calls = role, calls
+        self.servers = [_Server(e, token, calls.timeout) for e in endpoints]
         self.check = check
         self.outages: list[dict[str, Any]] = []
         self.log = log_fn or log.info
@@ -173,8 +196,8 @@ class _Pool:
 
     def live(self) -> list[_Server]:
         """The servers up now; probes the down ones; waits (bounded) while none is up."""
-        deadline = time.time() + self.wait_s
-        delay = self.backoff
+        deadline = time.time() + self.calls.wait_s
+        delay = self.calls.backoff
         while True:
             for s in self.servers:
                 if not s.up:
@@ -183,7 +206,7 @@ class _Pool:
             if up:
                 return up
             if time.time() >= deadline:
-                raise ServersUnavailable(f"no {self.role} server answered within {self.wait_s:.0f}s: "
+                raise ServersUnavailable(f"no {self.role} server answered within {self.calls.wait_s:.0f}s: "
                                          + ", ".join(s.endpoint for s in self.servers))
             time.sleep(min(delay, max(deadline - time.time(), 0.01)))
             delay = min(delay * 2, 5.0)
@@ -208,9 +231,9 @@ class _Pool:
                         pending.append((a, b, i))
             if pending:
                 attempt += 1
-                if attempt > self.retries + len(self.servers):
+                if attempt > self.calls.retries + len(self.servers):
                     raise ServersUnavailable(f"{self.role}: rows {pending} failed {attempt} times")
-                time.sleep(self.backoff * 2 ** min(attempt - 1, 5))
+                time.sleep(self.calls.backoff * 2 ** min(attempt - 1, 5))
         return [results[i] for i in sorted(results)]
 
 
@@ -325,14 +348,12 @@ class RemoteEngine:
     """
 
     def __init__(self, endpoints: Sequence[str], token: str, cfg: ModelConfig, *, pad_id: int,
-                 sync: bool = True, timeout: float = 120.0, publish_timeout: float = 60.0, retries: int = 3,
-                 backoff: float = 0.5, wait_s: float = 60.0, transport: str = "tcp", shm_root: str | None = None,
-                 log_fn=None):
+                 calls: CallSettings = CallSettings(), sync: bool = True, publish_timeout: float = 60.0,
+                 transport: str = "tcp", shm_root: str | None = None, log_fn=None):
         self.cfg, self.pad_id, self.sync = cfg, int(pad_id), bool(sync)
         self.published: int | None = None
         self.link = _FanOutLink(self, publish_timeout, transport, shm_root)
-        self.pool = _Pool("rollout", endpoints, token, timeout=timeout, retries=retries, backoff=backoff,
-                          wait_s=wait_s, check=self._check, log_fn=log_fn)
+        self.pool = _Pool("rollout", endpoints, token, calls, check=self._check, log_fn=log_fn)
         self.pool.live()  # at least one server at start
         dtypes = {s.info.get("dtype") for s in self.pool.servers if s.up}
         if len(dtypes) != 1:
@@ -433,10 +454,9 @@ class RemoteTeacher:
     """A Teacher whose scores come from teacher servers (rows shared over them); see the module docstring."""
 
     def __init__(self, endpoints: Sequence[str], token: str, cfg: ModelConfig, *, temperature: float,
-                 timeout: float = 120.0, retries: int = 3, backoff: float = 0.5, wait_s: float = 60.0, log_fn=None):
+                 calls: CallSettings = CallSettings(), log_fn=None):
         self.cfg, self.temperature = cfg, float(temperature)
-        self.pool = _Pool("teacher", endpoints, token, timeout=timeout, retries=retries, backoff=backoff,
-                          wait_s=wait_s, check=self._check, log_fn=log_fn)
+        self.pool = _Pool("teacher", endpoints, token, calls, check=self._check, log_fn=log_fn)
         self.pool.live()
 
     @property

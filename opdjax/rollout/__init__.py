@@ -2,5 +2,6 @@
 
 from opdjax.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 from opdjax.rollout.jax_engine import JaxEngine
+from opdjax.rollout.perturb import EngineMismatch
 
-__all__ = ["JaxEngine", "RolloutBatch", "RolloutEngine", "SamplingParams"]
+__all__ = ["EngineMismatch", "JaxEngine", "RolloutBatch", "RolloutEngine", "SamplingParams"]

@@ -51,7 +51,7 @@ from opdjax.models.config import ModelConfig
 from opdjax.models.sharding import batch_sharding, shard_state
 from opdjax.quant import forward_quant
 from opdjax.rollout.base import RolloutBatch, SamplingParams, check_token_ids
-from opdjax.rollout.perturb import NOISE_MODES, add_weight_noise, round_to_grid
+from opdjax.rollout.perturb import EngineMismatch, add_weight_noise, round_to_grid
 from opdjax.sync import ModelSpec, WeightReceiver
 
 Array = jax.Array
@@ -290,13 +290,13 @@ class JaxEngine:
     cfg, params       the model and its initial weights (published as version 0); params=None: no weights are
                       served until the first `update_weights` (generate/score raise until then)
     graphdef          the decoder graph (default: built from cfg with compute dtype `dtype`)
-    recipe            quantization recipe (a `quant.Recipe`, a preset name or None = none): weights quantized at
-                      update time, activations and KV cache through forward hooks
-    weight_noise      the weight-noise knob sigma (0 = none); its kind is noise_mode
-    seed, noise_mode  the engine's seed (`rollout.seed`: the weight noise's); "fixed" (relative Gaussian noise, one eps for all versions), "per_version" (eps
-                      redrawn per version) or "rounding" (matmul kernels rounded to a per-channel grid of step
-                      sigma * max|W|; seed unused): `perturb.NOISE_MODES`, module docstring
-    stale_versions    serve the weights published k versions ago (the oldest of the last k+1)
+    mismatch          the engine-side mismatch (`perturb.EngineMismatch`, or a mapping of its fields; None = a
+                      clean engine): its recipe's weights quantized at update time, activations and KV cache through
+                      forward hooks; its weight noise of kind noise_mode ("fixed": relative Gaussian, one eps for all
+                      versions; "per_version": eps redrawn per version; "rounding": matmul kernels rounded to a
+                      per-channel grid of step sigma * max|W|, seed unused; module docstring); its stale_versions k
+                      (serve the weights published k versions ago, the oldest of the last k+1)
+    seed              the engine's seed (`rollout.seed`: the weight noise's)
     pad_id, eos_id    padding id; eos_id (if not None) stops a row like any of `sampling.stop_token_ids`
     dtype             compute and weight storage dtype ("auto" = float32: simulated FP8 is qdq in this dtype);
                       cache_dtype: KV-cache storage dtype (default dtype)
@@ -314,32 +314,23 @@ class JaxEngine:
     name = "jax"
 
     def __init__(self, cfg: ModelConfig, params: nnx.State | None = None, *, graphdef: nnx.GraphDef | None = None,
-                 recipe: quant.Recipe | str | Mapping[str, Any] | None = None, weight_noise: float = 0.0,
-                 seed: int = 0, noise_mode: str = "fixed", stale_versions: int = 0, pad_id: int = 0,
+                 mismatch: EngineMismatch | Mapping[str, Any] | None = None, seed: int = 0, pad_id: int = 0,
                  eos_id: int | None = None,
                  dtype: Any = jnp.float32, cache_dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
                  merge_projections: bool | None = None, decode_attention: str = "einsum"):
-        if stale_versions < 0:
-            raise ValueError(f"stale_versions must be >= 0, got {stale_versions}")
-        if weight_noise < 0:
-            raise ValueError(f"weight_noise must be >= 0, got {weight_noise}")
-        if noise_mode not in NOISE_MODES:
-            raise ValueError(f"noise_mode must be one of {NOISE_MODES}, got {noise_mode!r}")
         for what, tok in (("pad_id", pad_id), ("eos_id", eos_id)):
             if tok is not None and not 0 <= tok < cfg.vocab_size:
                 raise ValueError(f"{what}={tok} is outside the vocabulary [0, {cfg.vocab_size})")
         self.cfg = cfg
         self.dtype = jnp.dtype("float32" if isinstance(dtype, str) and dtype == "auto" else dtype)  # auto: f32
         self.cache_dtype = jnp.dtype(cache_dtype) if cache_dtype is not None else self.dtype
-        self.recipe = quant.as_recipe(recipe)
+        self.mismatch = EngineMismatch.of(mismatch)
+        self.recipe = self.mismatch.recipe
         self.hooks = None if self.recipe.is_noop else forward_quant(self.recipe)
         backend = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
         if not self.recipe.is_noop:  # never a silent no-op: the rounding must survive this backend's compiler
             quant.check_effective(self.recipe, self.dtype, backend=backend)
-        self.weight_noise = float(weight_noise)
         self.seed = int(seed)
-        self.noise_mode = noise_mode
-        self.stale_versions = int(stale_versions)
         self.pad_id = int(pad_id)
         self.eos_id = None if eos_id is None else int(eos_id)
         self.mesh = mesh
@@ -356,7 +347,8 @@ class JaxEngine:
         self.graphdef = graphdef if graphdef is not None else abstract_graphdef
         self._lock = threading.Lock()  # guards the swap; held only for a moment
         self._update_lock = threading.Lock()  # serialises whole updates so versions publish in call order
-        self._published: collections.deque[tuple[int, nnx.State]] = collections.deque(maxlen=self.stale_versions + 1)
+        self._published: collections.deque[tuple[int, nnx.State]] = collections.deque(
+            maxlen=self.mismatch.stale_versions + 1)
         self._served: tuple[nnx.State, int] | None = None
         self.last_stats: dict[str, Any] = {}
         if params is not None:  # validated like any update (a params tree of another model raises here)
@@ -425,17 +417,17 @@ class JaxEngine:
 
     def _derive(self, state: nnx.State, version: int) -> nnx.State:
         """Published weights -> served weights: the weight-noise knob, then the recipe's weight qdq, then placement."""
-        named = None
-        if self.weight_noise > 0 and self.noise_mode == "rounding":
+        named, sigma, mode = None, self.mismatch.weight_noise, self.mismatch.noise_mode
+        if sigma > 0 and mode == "rounding":
             # The kernels a weight recipe quantizes (FP8_DEFAULT's patterns: every decoder Linear, not lm_head).
-            named = {n: round_to_grid(a, self.weight_noise)
+            named = {n: round_to_grid(a, sigma)
                      if quant.weight_spec(quant.FP8_DEFAULT, n, a.ndim) is not None else a
                      for n, a in hf.named_params(self.cfg, state, hf_layout=False).items()}
-        elif self.weight_noise > 0:
+        elif sigma > 0:
             key = jax.random.key(self.seed)
-            if self.noise_mode == "per_version":
+            if mode == "per_version":
                 key = jax.random.fold_in(key, version & 0xFFFFFFFF)
-            state = add_weight_noise(state, self.weight_noise, key, mode="relative")
+            state = add_weight_noise(state, sigma, key, mode="relative")
         if any(spec is not None for _, spec in self.recipe.weights):
             if named is None:
                 named = hf.named_params(self.cfg, state, hf_layout=False)
@@ -511,9 +503,7 @@ class JaxEngine:
             version_B=np.full((n,), version, np.int64),
             prompt_index_B=np.arange(n, dtype=np.int64),
             meta={"engine": self.name, "sampling": dataclasses.asdict(sampling), "seed": int(seed),
-                  "recipe": self.recipe.name, "weight_noise": self.weight_noise, "engine_seed": self.seed,
-                  "noise_mode": self.noise_mode,
-                  "stale_versions": self.stale_versions, "version": version, "prompt_len": P},
+                  **self.mismatch.describe(), "engine_seed": self.seed, "version": version, "prompt_len": P},
         )
 
     def _generate_static(self, sampling: SamplingParams) -> dict[str, Any]:

@@ -13,17 +13,82 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 
+from opdjax import quant
+
 Array = jax.Array
 
-__all__ = ["NOISE_MODES", "add_weight_noise", "round_to_grid"]
+__all__ = ["NOISE_MODES", "EngineMismatch", "add_weight_noise", "round_to_grid"]
 
 NOISE_MODES = ("fixed", "per_version", "rounding")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineMismatch:
+    """The engine-side mismatch of a rollout engine, one value validated once (on construction) and passed whole.
+
+    recipe          simulated quantization (`quant.Recipe`; a preset name, a recipe file or a mapping is read into
+                    one, None = no quantization): weights quantized at each update, activations and KV cache in
+                    the forward pass
+    weight_noise    the weight-noise knob sigma >= 0 (0 = none); its kind is `noise_mode`
+    noise_mode      one of `NOISE_MODES` (module docstring)
+    stale_versions  k >= 0: serve the weights published k versions ago
+
+    Config keys: `rollout.recipe`, `rollout.weight_noise`, `rollout.noise_mode`, `rollout.stale_versions`; a bad
+    value raises ValueError naming that key. `EngineMismatch()` is the clean engine.
+    """
+
+    recipe: quant.Recipe = dataclasses.field(default_factory=lambda: quant.as_recipe(None))
+    weight_noise: float = 0.0
+    noise_mode: str = "fixed"
+    stale_versions: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "recipe", _recipe(self.recipe))
+        if not float(self.weight_noise) >= 0:
+            raise ValueError(f"rollout.weight_noise must be >= 0, got {self.weight_noise!r}")
+        if self.noise_mode not in NOISE_MODES:
+            raise ValueError(f"rollout.noise_mode={self.noise_mode!r} is not valid; choose one of "
+                             f"{sorted(NOISE_MODES)}")
+        if isinstance(self.stale_versions, bool) or int(self.stale_versions) != self.stale_versions \
+                or self.stale_versions < 0:
+            raise ValueError(f"rollout.stale_versions must be an integer >= 0, got {self.stale_versions!r}")
+        object.__setattr__(self, "weight_noise", float(self.weight_noise))
+        object.__setattr__(self, "stale_versions", int(self.stale_versions))
+
+    @classmethod
+    def of(cls, spec: "EngineMismatch | Mapping[str, Any] | None") -> "EngineMismatch":
+        """`spec` as an EngineMismatch: itself, one built from a mapping of its fields, or the clean engine (None)."""
+        if spec is None or isinstance(spec, EngineMismatch):
+            return spec or cls()
+        return cls(**dict(spec))
+
+    @property
+    def is_clean(self) -> bool:
+        """No quantization, no noise, no staleness: the engine computes what the learner computes."""
+        return self.recipe.is_noop and self.weight_noise == 0 and self.stale_versions == 0
+
+    def describe(self) -> dict[str, Any]:
+        """The knobs as plain values (what the engine reports in its stats and the probe records)."""
+        return {"recipe": self.recipe.name, "weight_noise": self.weight_noise, "noise_mode": self.noise_mode,
+                "stale_versions": self.stale_versions}
+
+
+def _recipe(spec: Any) -> quant.Recipe:
+    """`rollout.recipe` as a `quant.Recipe`: a preset name, a recipe file, a mapping or a Recipe (None: none)."""
+    if isinstance(spec, str) and spec not in quant.RECIPES and not quant.is_recipe_file(spec):
+        raise ValueError(f"rollout.recipe={spec!r} is not valid; choose one of {sorted(quant.RECIPES)} or a recipe "
+                         "file (.json/.yaml)")
+    try:
+        return quant.as_recipe(spec)
+    except ValueError as e:
+        raise ValueError(f"rollout.recipe={spec!r}: {e}") from None
 
 
 def _path_str(path: tuple) -> str:

@@ -81,9 +81,9 @@ def test_check_effective_reports_fractions_and_raises_when_rounding_is_removed(m
         with pytest.raises(Q.IneffectiveQuantError, match="kv_cache"):
             Q.check_effective("fp8_kv_only")
         from opdjax.models.config import ModelConfig
-        from opdjax.rollout.jax_engine import JaxEngine
+        from opdjax.rollout import EngineMismatch, JaxEngine
         with pytest.raises(Q.IneffectiveQuantError, match="measure nothing"):
-            JaxEngine(ModelConfig(), recipe="fp8_w8a8")
+            JaxEngine(ModelConfig(), mismatch=EngineMismatch(recipe="fp8_w8a8"))
     finally:
         QH._changed_fraction.cache_clear()
         QF._qdq_jit.clear_cache()

@@ -12,7 +12,7 @@ from opdjax.core.logprobs import token_logprobs
 from opdjax.models import decoder, hf
 from opdjax.models.tiny import tiny_config
 from opdjax.rollout import SamplingParams
-from opdjax.rollout.jax_engine import JaxEngine
+from opdjax.rollout import EngineMismatch, JaxEngine
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_k3_grows_from_weights_only_to_w8a8_to_fp8_kv(model):
     logp_fn = jax.jit(lambda p, t, v: token_logprobs(decoder.forward(graphdef, p, t, valid_BT=v)[0], t)[0])
     k3 = {}
     for name in ("none", "fp8_weights_only", "fp8_w8a8", "fp8_w8a8_kv"):
-        engine = JaxEngine(cfg, state, recipe=name)
+        engine = JaxEngine(cfg, state, mismatch=EngineMismatch(recipe=name))
         batch = engine.generate(prompts, sampling, seed=0)  # the engine's own samples
         learner = logp_fn(state, jnp.asarray(batch.tokens_BT), jnp.asarray(batch.valid_BT))
         k3[name] = float(mismatch.metrics(learner, jnp.asarray(batch.rollout_logp_BT),

@@ -11,7 +11,7 @@ from opdjax.models import ModelConfig, hf
 from opdjax.models.tiny import load_tokenizer, make_tiny
 from opdjax.pipeline import loop as pipeline
 from opdjax.remote import protocol
-from opdjax.remote.client import RemoteEngine, ServerRefused
+from opdjax.remote.client import CallSettings, RemoteEngine, ServerRefused
 from opdjax.remote.server import EngineServer
 from opdjax.rollout import SamplingParams
 from opdjax.rollout.jax_engine import JaxEngine
@@ -94,7 +94,7 @@ def test_wrong_tokens_are_refused_on_generate_and_on_publish(pair):
     mcfg = ModelConfig.from_dir(pair[0])
     with EngineServer(engine=engine, token=TOKEN) as rs:
         with pytest.raises(ServerRefused, match="HTTP 401"):
-            RemoteEngine([f"127.0.0.1:{rs.port}"], "not-the-token", mcfg, pad_id=0, wait_s=1)
+            RemoteEngine([f"127.0.0.1:{rs.port}"], "not-the-token", mcfg, pad_id=0, calls=CallSettings(wait_s=1))
         assert rs.refusals and "wrong token" in rs.refusals[-1]
         manifest, arrays = prepare(mcfg, engine.receiver.spec and _params(pair[0]), 1, dtype="float32")
         with pytest.raises(BridgeError):
@@ -111,7 +111,8 @@ def test_a_server_of_another_model_is_refused(pair, tmp_path):
     other = make_tiny(tmp_path / "other", "qwen3", "tiny", seed=3, tokenizer=load_tokenizer(pair[0]), num_layers=1)
     with EngineServer(engine=_engine(other), token=TOKEN) as rs:
         with pytest.raises(ServerRefused, match="serves another model"):
-            RemoteEngine([f"127.0.0.1:{rs.port}"], TOKEN, ModelConfig.from_dir(pair[0]), pad_id=0, wait_s=1)
+            RemoteEngine([f"127.0.0.1:{rs.port}"], TOKEN, ModelConfig.from_dir(pair[0]), pad_id=0,
+                         calls=CallSettings(wait_s=1))
 
 
 def test_losing_one_of_two_servers_loses_no_rows_and_a_restarted_one_is_resynchronised(pair):
@@ -120,8 +121,8 @@ def test_losing_one_of_two_servers_loses_no_rows_and_a_restarted_one_is_resynchr
                                                                                    token=TOKEN).start()
     port_b = b.port
     logs = []
-    remote = RemoteEngine([f"127.0.0.1:{a.port}", f"127.0.0.1:{port_b}"], TOKEN, mcfg, pad_id=0, wait_s=20,
-                          backoff=0.05, timeout=30, log_fn=logs.append)
+    remote = RemoteEngine([f"127.0.0.1:{a.port}", f"127.0.0.1:{port_b}"], TOKEN, mcfg, pad_id=0, log_fn=logs.append,
+                          calls=CallSettings(wait_s=20, backoff=0.05, timeout=30))
     pub = Publisher(mcfg, remote.link, dtype="float32")
     sp = SamplingParams(max_new_tokens=3)
     try:
@@ -163,8 +164,8 @@ def test_a_server_on_this_host_takes_weights_from_shared_memory(pair, tmp_path):
     root = tmp_path / "shm"
     with EngineServer(engine=_engine(pair[0]), token=TOKEN, shm_root=str(root)) as a, \
             EngineServer(engine=_engine(pair[0]), token=TOKEN, shm_root=str(root)) as b:
-        remote = RemoteEngine([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"], TOKEN, cfg, pad_id=0, wait_s=5,
-                              transport="shm", shm_root=str(root))
+        remote = RemoteEngine([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"], TOKEN, cfg, pad_id=0, transport="shm",
+                              shm_root=str(root), calls=CallSettings(wait_s=5))
         params = hf.load_state(pair[0], cfg)[1]
         Publisher(cfg, remote.link, dtype="float32").publish(params, 1)
         assert a.engine.version == b.engine.version == 1 and (root / f"v{1:010d}").is_dir()
@@ -180,8 +181,8 @@ def test_a_server_on_this_host_takes_weights_from_shared_memory(pair, tmp_path):
         assert a.engine.version == 1
         remote.link.close()
     with EngineServer(engine=_engine(pair[0]), token=TOKEN, shm_root=str(tmp_path / "elsewhere")) as c:
-        other = RemoteEngine([f"127.0.0.1:{c.port}"], TOKEN, cfg, pad_id=0, wait_s=5, transport="shm",
-                             shm_root=str(root))
+        other = RemoteEngine([f"127.0.0.1:{c.port}"], TOKEN, cfg, pad_id=0, transport="shm",
+                             shm_root=str(root), calls=CallSettings(wait_s=5))
         with pytest.raises(ServerRefused, match="--shm-root"):
             Publisher(cfg, other.link, dtype="float32").publish(params, 3)
 
@@ -201,16 +202,16 @@ def test_client_error_paths_are_clear(pair, tmp_path):
         dead = s.getsockname()[1]
     t0 = time.perf_counter()
     with pytest.raises(ServersUnavailable, match=f"no rollout server answered within 1s.*127.0.0.1:{dead}"):
-        RemoteEngine([f"127.0.0.1:{dead}"], TOKEN, mcfg, pad_id=0, wait_s=1)
+        RemoteEngine([f"127.0.0.1:{dead}"], TOKEN, mcfg, pad_id=0, calls=CallSettings(wait_s=1))
     assert time.perf_counter() - t0 < 20
     teacher = JaxTeacher.from_pretrained(pair[1])
     with EngineServer(teacher=teacher, token=TOKEN) as ts, EngineServer(engine=_engine(pair[0]), token=TOKEN) as rs:
         with pytest.raises(ServerRefused, match="is a 'teacher' server, expected a rollout server"):
-            RemoteEngine([f"127.0.0.1:{ts.port}"], TOKEN, mcfg, pad_id=0, wait_s=1)
+            RemoteEngine([f"127.0.0.1:{ts.port}"], TOKEN, mcfg, pad_id=0, calls=CallSettings(wait_s=1))
         with pytest.raises(ServerRefused, match="is a 'rollout' server, expected a teacher server"):
-            RemoteTeacher([f"127.0.0.1:{rs.port}"], TOKEN, mcfg, temperature=1.0, wait_s=1)
+            RemoteTeacher([f"127.0.0.1:{rs.port}"], TOKEN, mcfg, temperature=1.0, calls=CallSettings(wait_s=1))
         with pytest.raises(ServerRefused, match=r"scores at temperature 1.0, the run asks for teacher.temperature=0.5"):
-            RemoteTeacher([f"127.0.0.1:{ts.port}"], TOKEN, mcfg, temperature=0.5, wait_s=1)
+            RemoteTeacher([f"127.0.0.1:{ts.port}"], TOKEN, mcfg, temperature=0.5, calls=CallSettings(wait_s=1))
     with pytest.raises(InputError, match="token file .* No such file"):
         read_token(str(tmp_path / "missing"))
     (tmp_path / "empty").write_text("\n")
@@ -224,8 +225,8 @@ def test_a_row_of_the_wrong_version_is_never_trained_on(pair):
     mcfg = ModelConfig.from_dir(pair[0])
     server = EngineServer(engine=_engine(pair[0]), token=TOKEN).start()
     logs = []
-    remote = RemoteEngine([f"127.0.0.1:{server.port}"], TOKEN, mcfg, pad_id=0, wait_s=20, backoff=0.05, timeout=30,
-                          log_fn=logs.append)
+    remote = RemoteEngine([f"127.0.0.1:{server.port}"], TOKEN, mcfg, pad_id=0, log_fn=logs.append,
+                          calls=CallSettings(wait_s=20, backoff=0.05, timeout=30))
     try:
         Publisher(mcfg, remote.link, dtype="float32").publish(_params(pair[0]), 3)
         server.engine.update_weights(hf.read_tensors(pair[0]), 7)  # not what the run published

@@ -16,7 +16,7 @@ from flax import nnx
 
 from opdjax.learner.learner import Learner
 from opdjax.models import ModelConfig, decoder
-from opdjax.remote.client import RemoteEngine, RemoteTeacher
+from opdjax.remote.client import CallSettings, RemoteEngine, RemoteTeacher
 from opdjax.rollout import SamplingParams
 from opdjax.sync import BridgeError, Publisher
 from opdjax.teacher.jax_teacher import JaxTeacher
@@ -88,7 +88,8 @@ def test_every_endpoint_but_health_needs_the_token(servers):
 
 def test_a_publish_is_validated_applied_and_tags_every_rollout(servers, pair):
     cfg = ModelConfig.from_dir(pair[0])
-    remote = RemoteEngine([f"127.0.0.1:{servers['rollout']['port']}"], SECRET, cfg, pad_id=0, wait_s=10)
+    remote = RemoteEngine([f"127.0.0.1:{servers['rollout']['port']}"], SECRET, cfg, pad_id=0,
+                          calls=CallSettings(wait_s=10))
     assert remote.pool.servers[0].dialect == "vllm"
     params = nnx.state(decoder.create(cfg, seed=31))
     Publisher(cfg, remote.link, dtype="float32").publish(params, 1)
@@ -112,8 +113,8 @@ def test_a_publish_is_validated_applied_and_tags_every_rollout(servers, pair):
 
 def test_a_vllm_server_on_this_host_takes_weights_from_shared_memory(servers, pair):
     cfg = ModelConfig.from_dir(pair[0])
-    remote = RemoteEngine([f"127.0.0.1:{servers['rollout']['port']}"], SECRET, cfg, pad_id=0, wait_s=10,
-                          transport="shm", shm_root=servers["shm"])
+    remote = RemoteEngine([f"127.0.0.1:{servers['rollout']['port']}"], SECRET, cfg, pad_id=0, transport="shm",
+                          shm_root=servers["shm"], calls=CallSettings(wait_s=10))
     params = nnx.state(decoder.create(cfg, seed=32))
     Publisher(cfg, remote.link, dtype="float32").publish(params, 5)
     batch = remote.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=6, temperature=1.0), seed=4)
@@ -126,7 +127,8 @@ def test_a_vllm_server_on_this_host_takes_weights_from_shared_memory(servers, pa
 
 def test_the_vllm_teacher_scores_like_the_jax_teacher(servers, pair):
     cfg = ModelConfig.from_dir(pair[1])
-    remote = RemoteTeacher([f"127.0.0.1:{servers['teacher']['port']}"], SECRET, cfg, temperature=1.0, wait_s=10)
+    remote = RemoteTeacher([f"127.0.0.1:{servers['teacher']['port']}"], SECRET, cfg, temperature=1.0,
+                           calls=CallSettings(wait_s=10))
     tokens = np.array([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], np.int32)
     valid = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], bool)
     needs = frozenset({"teacher_logp", "teacher_topk"})

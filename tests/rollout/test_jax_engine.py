@@ -15,7 +15,7 @@ from opdjax import quant
 from opdjax.models import decoder, hf
 from opdjax.models.safetensors_io import CheckpointError
 from opdjax.models.tiny import tiny_config
-from opdjax.rollout import JaxEngine, RolloutBatch, SamplingParams, jax_engine
+from opdjax.rollout import EngineMismatch, JaxEngine, RolloutBatch, SamplingParams, jax_engine
 
 V = 64
 PROMPTS = [[3, 7, 1], [9, 9, 2, 4, 8, 1, 6], [5], [10, 11, 12, 13, 14], [2, 2], [30, 31, 32, 33, 34, 35],
@@ -301,7 +301,7 @@ def test_bad_update_raises_and_keeps_serving_the_old_weights(model):
 def test_staleness_serves_the_version_k_behind(model):
     cfg, g, s, s1, s2 = model
     tokens, valid = _probe(model)
-    eng = JaxEngine(cfg, s, graphdef=g, stale_versions=1)
+    eng = JaxEngine(cfg, s, graphdef=g, mismatch=EngineMismatch(stale_versions=1))
     eng.update_weights(hf.named_params(cfg, s1), 1)
     assert eng.version == 0
     np.testing.assert_array_equal(eng.score(tokens, valid)["logp_BT"],
@@ -340,24 +340,27 @@ def test_fp8_recipe_and_weight_noise_change_the_engine_distribution(model, engin
     cfg, g, s, *_ = model
     tokens, valid = _probe(model)
     base = engine.score(tokens, valid)["logp_BT"]
-    fp8 = JaxEngine(cfg, s, graphdef=g, recipe="fp8_w8a8").score(tokens, valid)["logp_BT"]
+    fp8 = JaxEngine(cfg, s, graphdef=g, mismatch=EngineMismatch(recipe="fp8_w8a8")).score(tokens, valid)["logp_BT"]
     d = np.abs(fp8 - base)[:, 1:][valid[:, 1:] & valid[:, :-1]]
     assert 0 < d.max() < 0.5
-    assert np.array_equal(JaxEngine(cfg, s, graphdef=g, weight_noise=0.0).score(tokens, valid)["logp_BT"], base)
-    noisy = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, seed=1).score(tokens, valid)["logp_BT"]
+    zero = JaxEngine(cfg, s, graphdef=g, mismatch=EngineMismatch(weight_noise=0.0))
+    assert np.array_equal(zero.score(tokens, valid)["logp_BT"], base)
+    noisy = JaxEngine(cfg, s, graphdef=g, seed=1, mismatch=EngineMismatch(weight_noise=0.05)
+                      ).score(tokens, valid)["logp_BT"]
     assert np.abs(noisy - base).max() > 1e-3
-    again = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, seed=1)
+    again = JaxEngine(cfg, s, graphdef=g, seed=1, mismatch=EngineMismatch(weight_noise=0.05))
     np.testing.assert_array_equal(again.score(tokens, valid)["logp_BT"], noisy)
-    other = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, seed=2).score(tokens, valid)["logp_BT"]
+    other = JaxEngine(cfg, s, graphdef=g, seed=2, mismatch=EngineMismatch(weight_noise=0.05)
+                      ).score(tokens, valid)["logp_BT"]
     assert np.abs(other - noisy).max() > 1e-3
     again.update_weights(hf.named_params(cfg, s), 1)  # default "fixed": same weights, new version -> same offset
     np.testing.assert_array_equal(again.score(tokens, valid)["logp_BT"], noisy)
-    fresh = JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, seed=1, noise_mode="per_version")
+    fresh = JaxEngine(cfg, s, graphdef=g, seed=1, mismatch=EngineMismatch(weight_noise=0.05, noise_mode="per_version"))
     v0 = fresh.score(tokens, valid)["logp_BT"]
     fresh.update_weights(hf.named_params(cfg, s), 1)  # per_version: a fresh (reproducible) draw per version
     assert np.abs(fresh.score(tokens, valid)["logp_BT"] - v0).max() > 1e-3
     with pytest.raises(ValueError, match="noise_mode"):
-        JaxEngine(cfg, s, graphdef=g, weight_noise=0.05, noise_mode="sometimes")
+        JaxEngine(cfg, s, graphdef=g, mismatch=EngineMismatch(weight_noise=0.05, noise_mode="sometimes"))
 
 
 def test_rounding_noise_is_int_quantization_of_the_matmul_kernels(model, engine):
@@ -368,25 +371,25 @@ def test_rounding_noise_is_int_quantization_of_the_matmul_kernels(model, engine)
     tokens, valid = _probe(model)
     int8_w = quant.Recipe(name="int8_weights_only", weights=tuple(
         (p, None if spec is None else quant.QSpec("int8", "channel")) for p, spec in quant.FP8_DEFAULT.weights))
-    ref = JaxEngine(cfg, s, graphdef=g, recipe=int8_w).score(tokens, valid)["logp_BT"]
-    grid = JaxEngine(cfg, s, graphdef=g, weight_noise=1 / 127, noise_mode="rounding")
+    ref = JaxEngine(cfg, s, graphdef=g, mismatch=EngineMismatch(recipe=int8_w)).score(tokens, valid)["logp_BT"]
+    grid = JaxEngine(cfg, s, graphdef=g, mismatch=EngineMismatch(weight_noise=1 / 127, noise_mode="rounding"))
     np.testing.assert_array_equal(grid.score(tokens, valid)["logp_BT"], ref)
     base = engine.score(tokens, valid)["logp_BT"]
     m = valid[:, 1:] & valid[:, :-1]
     d8 = np.abs(ref - base)[:, 1:][m].mean()
-    d4 = np.abs(JaxEngine(cfg, s, graphdef=g, weight_noise=1 / 7, noise_mode="rounding")
+    d4 = np.abs(JaxEngine(cfg, s, graphdef=g, mismatch=EngineMismatch(weight_noise=1 / 7, noise_mode="rounding"))
                 .score(tokens, valid)["logp_BT"] - base)[:, 1:][m].mean()
     assert 0 < d8 < d4
     moved = jax.tree.map(lambda a: a * 1.01, s)
     grid.update_weights(hf.named_params(cfg, moved), 1)
-    want = JaxEngine(cfg, moved, graphdef=g, recipe=int8_w).score(tokens, valid)["logp_BT"]
+    want = JaxEngine(cfg, moved, graphdef=g, mismatch=EngineMismatch(recipe=int8_w)).score(tokens, valid)["logp_BT"]
     np.testing.assert_array_equal(grid.score(tokens, valid)["logp_BT"], want)
 
 
 def test_quantized_decode_matches_quantized_score(model):
     cfg, g, s, *_ = model
     recipe = "fp8_w8a8_kv"  # W8A8 + FP8 KV cache: every forward hook is exercised in prefill, decode and score
-    eng = JaxEngine(cfg, s, graphdef=g, recipe=recipe)
+    eng = JaxEngine(cfg, s, graphdef=g, mismatch=EngineMismatch(recipe=recipe))
     batch = eng.generate(PROMPTS, SAMPLINGS["t1"], seed=4)
     assert batch.meta["recipe"] == recipe
     ref = eng.score(batch.tokens_BT, batch.valid_BT)["logp_BT"]
@@ -421,8 +424,8 @@ def test_merged_projections_serve_the_same_distribution_with_fewer_matmuls(model
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
     L = cfg.num_layers
     for recipe, fewer in ((None, 6 * L), ("fp8_w8a8", 6 * L), (q_only, 2 * L)):
-        sep = JaxEngine(cfg, s, graphdef=g, recipe=recipe)
-        mer = JaxEngine(cfg, s, graphdef=g, recipe=recipe, merge_projections=True)
+        sep = JaxEngine(cfg, s, graphdef=g, mismatch=EngineMismatch(recipe=recipe))
+        mer = JaxEngine(cfg, s, graphdef=g, merge_projections=True, mismatch=EngineMismatch(recipe=recipe))
         d = np.abs(mer.score(tokens, valid)["logp_BT"] - sep.score(tokens, valid)["logp_BT"])[:, 1:][m]
         assert np.median(d) < 1e-6 and d.max() < (1e-5 if recipe is None else 0.1), (recipe, d.max())
         if recipe is None:

@@ -233,14 +233,14 @@ def test_vllm_behind_a_server_matches_the_learner_after_a_publish_over_the_bridg
     """An in-process VllmEngine behind opdjax's EngineServer (library use; `opdjax serve --engine vllm` runs vLLM's own
     server: tests/remote/test_vllm_server.py): the weights travel over the tcp bridge, the rollouts over HTTP, and the
     sampled-token log-probs still match the learner's (f32, mean |delta| <= 1e-4), tagged with the new version."""
-    from opdjax.remote.client import RemoteEngine
+    from opdjax.remote.client import CallSettings, RemoteEngine
     from opdjax.remote.server import EngineServer
     from opdjax.sync import Publisher
 
     p = _params(cfg, 21)
     v = engine.version + 1
     with EngineServer(engine=engine, token="vllm-secret") as server:
-        remote = RemoteEngine([f"127.0.0.1:{server.port}"], "vllm-secret", cfg, pad_id=0, wait_s=5)
+        remote = RemoteEngine([f"127.0.0.1:{server.port}"], "vllm-secret", cfg, pad_id=0, calls=CallSettings(wait_s=5))
         Publisher(cfg, remote.link, dtype="float32").publish(p, v)
         assert engine.version == v
         batch = remote.generate(_prompts(), SamplingParams(max_new_tokens=8, temperature=1.0), seed=3)

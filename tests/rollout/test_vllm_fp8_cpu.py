@@ -21,7 +21,7 @@ from opdjax.core.layout import DECODER_LINEAR_PATTERNS, HIGH_PRECISION_PATTERNS 
 from opdjax.models import ModelConfig, decoder, hf  # noqa: E402
 from opdjax.models.tiny import make_tiny  # noqa: E402
 from opdjax.rollout import SamplingParams  # noqa: E402
-from opdjax.rollout.jax_engine import JaxEngine  # noqa: E402
+from opdjax.rollout import EngineMismatch, JaxEngine  # noqa: E402
 from opdjax.rollout.vllm_settings import HardwareError, VllmSettingsError  # noqa: E402
 from opdjax.sync import BridgeError  # noqa: E402
 
@@ -62,15 +62,28 @@ def _prompts(n=8, seed=0):
 
 
 def _served(engine) -> dict[str, tuple[str, np.ndarray]]:
-    """vLLM's own parameters, read back from its model: name -> (torch dtype, float32 values or FP8 bytes)."""
+    """What vLLM serves, read back from its model: name -> (torch dtype, float32 values or FP8 bytes).
+
+    FP8 layers are read from their parameters (weight bytes and scale). An unquantized Linear is read through the
+    GEMM vLLM runs for it, never from its storage: on x86 vLLM-CPU's `dispatch_cpu_unquantized_gemm` gives every such
+    layer `layer.cpu_linear(x, weight, bias)` — a packed oneDNN (or sgl / zentorch) handle on AVX-512 CPUs, where
+    `layer.weight` becomes an empty tensor, and `F.linear` on the kept weight where the bf16 primitive cannot be
+    made (AVX2). `cpu_linear(eye(in_features), weight, None)` is the served W^T on both branches, exactly: each
+    output is one weight times 1 plus zeros."""
     def read(worker):
         import torch
 
+        model, dtype = worker.model_runner.model, worker.model_runner.vllm_config.model_config.dtype
         out = {}
-        for n, p in worker.model_runner.model.named_parameters():
+        for n, p in model.named_parameters():
             t = p.detach()
             out[n] = (str(t.dtype), t.view(torch.uint8).numpy().copy() if t.dtype == torch.float8_e4m3fn
                       else t.float().numpy().copy())
+        for n, layer in model.named_modules():
+            if callable(getattr(layer, "cpu_linear", None)) and hasattr(layer, "input_size_per_partition"):
+                eye = torch.eye(layer.input_size_per_partition, dtype=dtype)
+                w = layer.cpu_linear(eye, layer.weight, None).t()
+                out[f"{n}.weight"] = (str(w.dtype), w.float().numpy().copy())
         return out
     return engine.llm.collective_rpc(read)[0]
 
@@ -153,7 +166,8 @@ def test_fp8_log_probs_follow_each_version_and_match_the_simulation(engine, cfg)
     activation scheme. Not to bf16 numerics: FP8 rounding amplifies bf16-level differences (README, "FP8 in
     vLLM"; measured here 0.041 vs 0.087 plain, 0.072 unfused, 0.081 per-tensor activations)."""
     prompts, sp = _prompts(), SamplingParams(max_new_tokens=8, temperature=1.0)
-    engines = {k: JaxEngine(cfg, recipe=r, dtype="bfloat16") for k, r in rivals(RECIPE).items()}
+    engines = {k: JaxEngine(cfg, dtype="bfloat16", mismatch=EngineMismatch(recipe=r))
+               for k, r in rivals(RECIPE).items()}
     prev = None
     for version, seed in ((3, 13), (4, 14)):
         # weights 6x the init scale: sharper log-probs, so FP8 rounding moves them well beyond bf16 numerics
@@ -187,7 +201,8 @@ def test_a_reload_that_fails_part_way_reloads_the_checkpoint_and_says_so(engine,
     assert engine.version == 0 and engine.recoveries == 1 and engine.receiver.version == 0
     b = engine.generate(prompts, sp, seed=1)
     assert (b.version_B == 0).all()
-    ckpt = JaxEngine(cfg, hf.load_state(engine.model_path, cfg)[1], recipe=RECIPE, dtype="bfloat16")
+    ckpt = JaxEngine(cfg, hf.load_state(engine.model_path, cfg)[1], dtype="bfloat16",
+                     mismatch=EngineMismatch(recipe=RECIPE))
     gap = np.abs(ckpt.score(b.tokens_BT, b.valid_BT)["logp_BT"] - b.rollout_logp_BT)[b.completion_mask_BT].mean()
     assert gap < 0.05, gap  # the checkpoint's weights, FP8 as the recipe says
     engine.update_weights(hf.named_params(cfg, _params(cfg, 16)), 6)

@@ -6,7 +6,7 @@ import pytest
 
 from opdjax.models import hf
 from opdjax.rollout import SamplingParams
-from opdjax.rollout.jax_engine import JaxEngine
+from opdjax.rollout import EngineMismatch, JaxEngine
 from opdjax.sync import TRANSPORTS, BridgeError, Publisher, open_link
 
 
@@ -35,7 +35,7 @@ def test_every_link_delivers_the_same_weights_and_waits_for_the_engine(kind, cfg
 
 
 def test_shm_link_feeds_a_stale_engine_each_snapshot_once(cfg, params):
-    engine = JaxEngine(cfg, params[0], pad_id=0, stale_versions=1)
+    engine = JaxEngine(cfg, params[0], pad_id=0, mismatch=EngineMismatch(stale_versions=1))
     link = open_link("shm", engine.receiver)
     root = link.transport.root
     try:
