@@ -82,7 +82,7 @@ def test_opdjax_keys_names_the_closest_key_for_a_misspelt_section(capsys):
 def test_every_command_with_overrides_says_where_the_keys_are_listed(command, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])
-    assert "opdjax keys" in capsys.readouterr().out.replace("\n", " ")
+    assert "opdjax keys" in " ".join(capsys.readouterr().out.split())
 
 
 def test_defaults_are_written_as_a_key_value_override_takes_them():
