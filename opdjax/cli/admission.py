@@ -29,7 +29,7 @@ from opdjax.budget.search import (
     sensitivity,
     write_search,
 )
-from opdjax.cli.common import guard
+from opdjax.cli.common import KEYS_HINT, guard
 from opdjax.models.presets import PRESET_MODELS, model_config
 
 __all__ = ["add_admission_commands"]
@@ -136,7 +136,7 @@ def _common(p: argparse.ArgumentParser, *, overrides: bool = True, batches: bool
                        help="probe batches per measurement (rollout.batch_size each)")
     p.add_argument("--seed", type=int, default=0, help="probe seed (same prompts and sampling noise for all)")
     if overrides:
-        p.add_argument("overrides", nargs="*", help="config overrides key=value")
+        p.add_argument("overrides", nargs="*", help=f"config overrides key=value {KEYS_HINT}")
 
 
 def _kv_scales_flag(p: argparse.ArgumentParser) -> None:
@@ -159,7 +159,7 @@ def add_admission_commands(subparsers) -> None:
                    help=f"cost cap: batches (rollout.batch_size each) sampled before a candidate whose bounds "
                         f"still contain B is UNCERTAIN (default {DEFAULT_MAX_BATCHES})")
     a.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="global config override applied to every candidate (repeatable)")
+                   help=f"global config override applied to every candidate (repeatable) {KEYS_HINT}")
     a.add_argument("--out", default=None, help="write the machine-readable report (JSON) here")
     a.add_argument("candidates", nargs="+", metavar="CANDIDATE",
                    help="comma-separated overrides, e.g. rollout.recipe=fp8_w8a8_kv or "

@@ -9,7 +9,9 @@ from typing import Callable
 
 from opdjax.core.errors import OpdjaxError
 
-__all__ = ["guard"]
+__all__ = ["KEYS_HINT", "guard"]
+
+KEYS_HINT = "(every key, its default and help: opdjax keys [SECTION])"  # ends the help of a command's overrides
 
 
 def guard(fn: Callable) -> Callable:

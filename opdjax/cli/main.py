@@ -23,6 +23,7 @@ logging.getLogger("transformers").addFilter(_NoTorchAdvice())  # before anything
 import jax  # noqa: E402
 
 from opdjax.cli.admission import add_admission_commands  # noqa: E402
+from opdjax.cli.keys import add_keys_command  # noqa: E402
 from opdjax.cli.measure import add_measure_command  # noqa: E402
 from opdjax.cli.serve import add_serve_command  # noqa: E402
 from opdjax.cli.study import add_study_command  # noqa: E402
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tool_commands(sub)
     add_study_command(sub)
     add_admission_commands(sub)
+    add_keys_command(sub)
     return p
 
 

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 from opdjax.budget.probe import probe
 from opdjax.budget.records import write_json
-from opdjax.cli.common import guard
+from opdjax.cli.common import KEYS_HINT, guard
 from opdjax.config import TrainConfig, load, to_dict
 from opdjax.core import mismatch
 
@@ -63,7 +63,7 @@ def add_measure_command(subparsers) -> None:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--out", default=None, help="write the JSON report here")
     m.add_argument("overrides", nargs="*", help="config overrides key=value, as for train, e.g. student=DIR "
-                                                "rollout.engine=vllm 'rollout.vllm={kv_cache_dtype: fp8}'")
+                                                "rollout.engine=vllm 'rollout.vllm={kv_cache_dtype: fp8}' " + KEYS_HINT)
     m.set_defaults(func=guard(_measure))
 
 

@@ -29,7 +29,7 @@ import time
 import urllib.request
 
 from opdjax import config, quant
-from opdjax.cli.common import guard
+from opdjax.cli.common import KEYS_HINT, guard
 from opdjax.core.errors import InputError
 from opdjax.models import ModelConfig, hf
 from opdjax.models.sharding import make_mesh
@@ -229,5 +229,6 @@ def add_serve_command(subparsers) -> None:
                     help="seconds a weight transfer over the bridge may stall before it is dropped")
     sp.add_argument("--refusal-log-per-min", type=int, default=lim.refusal_log_per_min,
                     help="refused requests logged per minute (all are counted)")
-    sp.add_argument("overrides", nargs="*", help="key=value overrides, e.g. student=DIR rollout.recipe=fp8_w8a8")
+    sp.add_argument("overrides", nargs="*",
+                    help=f"key=value overrides, e.g. student=DIR rollout.recipe=fp8_w8a8 {KEYS_HINT}")
     sp.set_defaults(func=guard(_serve))

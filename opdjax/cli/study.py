@@ -9,7 +9,7 @@ import yaml
 
 from opdjax.budget.study import run_study
 from opdjax.budget.study_config import load_study
-from opdjax.cli.common import guard
+from opdjax.cli.common import KEYS_HINT, guard
 from opdjax.config import to_dict
 
 __all__ = ["add_study_command"]
@@ -32,6 +32,7 @@ def add_study_command(subparsers) -> Any:
                    help="smoke-test size: 3 sweep points, 20 steps, one seed (applied before key=value overrides)")
     p.add_argument("--print-config", action="store_true", help="print the resolved study config and exit")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. delta=0.3 base.pipeline.steps=100 "
-                                                "out_dir=runs/s2 base.student=DIR")
+                                                "out_dir=runs/s2 base.student=DIR; base.KEY: a train key "
+                                                + KEYS_HINT)
     p.set_defaults(func=guard(_study_command))
     return p

@@ -8,7 +8,7 @@ import sys
 import jax
 
 from opdjax import config
-from opdjax.cli.common import guard
+from opdjax.cli.common import KEYS_HINT, guard
 from opdjax.learner import distributed
 from opdjax.pipeline import loop
 
@@ -49,5 +49,6 @@ def add_train_command(subparsers) -> None:
                          "cluster); default: $OPDJAX_COORDINATOR, else one process")
     tr.add_argument("--num-processes", type=int, default=None, help="learner processes (default $OPDJAX_NUM_PROCESSES)")
     tr.add_argument("--process-id", type=int, default=None, help="this process's id (default $OPDJAX_PROCESS_ID)")
-    tr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.temperature=0.8 student=DIR")
+    tr.add_argument("overrides", nargs="*",
+                    help=f"key=value overrides, e.g. rollout.temperature=0.8 student=DIR {KEYS_HINT}")
     tr.set_defaults(func=guard(_train))
