@@ -41,12 +41,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-from opdjax.budget import admit, fit, report  # noqa: E402
-from opdjax.budget import study as budget_mod  # noqa: E402
-from opdjax.budget.study_config import load_study  # noqa: E402
-from opdjax.budget.io import load_budget  # noqa: E402
+from opdjax.admission import admit  # noqa: E402
+from opdjax.admission.budget import load_budget  # noqa: E402
 from opdjax.config import to_dict  # noqa: E402
-from opdjax.budget.records import Point, noise_point  # noqa: E402
+from opdjax.study import fit, report  # noqa: E402
+from opdjax.study import study as study_mod  # noqa: E402
+from opdjax.study.records import Point, noise_point  # noqa: E402
+from opdjax.study.study_config import load_study  # noqa: E402
 
 # Candidates, none a level of configs/budget_cpu.yaml (its sweep is the baseline plus the weight-noise levels the
 # knee search picks; a candidate that coincides with a searched level is refused below). Ten fixed ones: every
@@ -73,7 +74,7 @@ def knee_candidates(bj: dict, study) -> list[str]:
     noise kind (its base rollout.noise_mode, spelled out when it is not the default)."""
     mode = study.train_config_for({}, study.seeds[0]).rollout.noise_mode
     kind = "" if mode == "fixed" else f",rollout.noise_mode={mode}"
-    return [f"rollout.weight_noise={s:g}{kind}" for s in budget_mod.knee_candidates(bj["points"], bj["budget"])]
+    return [f"rollout.weight_noise={s:g}{kind}" for s in study_mod.knee_candidates(bj["points"], bj["budget"])]
 
 
 def candidate_point(text: str) -> Point:
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
     candidates = args.candidates or FIXED_CANDIDATES + knee_candidates(bj, study)
     log(f"{len(candidates)} candidates: {', '.join(candidates)}")
     points = [candidate_point(c) for c in candidates]
-    fitted = [_resolved(study, p.overrides) for p in budget_mod.sweep_points(study)]
+    fitted = [_resolved(study, p.overrides) for p in study_mod.sweep_points(study)]
     fitted += [_resolved(study, noise_point(r["value"]).overrides) for r in bj["points"]
                if r["knob"] == "weight_noise"]
     for c, p in zip(candidates, points):
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
     for c, p, a in zip(candidates, points, admit_rows):
         recs = []
         for s in seeds:
-            rec = budget_mod.run_one(study, p, s, log)
+            rec = study_mod.run_one(study, p, s, log)
             recs.append(rec)
             log(f"{c} seed {s}: RKL {rec.reverse_kl:.3f}, acc {rec.accuracy:.3f}"
                 f"{' (reused)' if rec.reused else ''}")
@@ -209,7 +210,7 @@ def truth_seeds(study_seeds, n: int | None) -> list[int]:
 
 def _resolved(study, overrides) -> dict:
     """The run a point with `overrides` trains (first seed), as a dict: equal dicts, same runs."""
-    return budget_mod.run_identity(to_dict(study.train_config_for(overrides, study.seeds[0])))
+    return study_mod.run_identity(to_dict(study.train_config_for(overrides, study.seeds[0])))
 
 
 if __name__ == "__main__":

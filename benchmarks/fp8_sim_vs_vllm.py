@@ -9,7 +9,7 @@ them well beyond bf16 numerics). Two measurements per recipe:
    scored by four engines — JAX bf16 plain, JAX bf16 + recipe (the simulation), vLLM bf16 plain, vLLM bf16 + recipe
    (`rollout.fp8_emulation`); k3 = mean(exp(r) - r - 1), r = logp_plain - logp_fp8, within each engine family.
 2. the admission probe's M: each FP8 engine samples its own rollouts of the same prompts, rescored by the f32
-   learner (`budget.probe.rescore`, the probe's loop): M = k3(learner vs engine), with its bootstrap interval.
+   learner (`admission.probe.rescore`, the probe's loop): M = k3(learner vs engine), with its bootstrap interval.
 
 A recipe vLLM cannot serve (fp8_weights_only) is listed with vLLM's refusal.
 """
@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from opdjax import quant  # noqa: E402
-from opdjax.budget.probe import rescore  # noqa: E402
+from opdjax.admission.probe import rescore  # noqa: E402
 from opdjax.core import mismatch  # noqa: E402
 from opdjax.learner.learner import Learner  # noqa: E402
 from opdjax.models import ModelConfig, decoder, hf  # noqa: E402

@@ -3,7 +3,7 @@
     python benchmarks/refit_budget.py runs/budget_sort_cpu_llama/budget.json --quality accuracy --delta 0.05
 
 Every run's probe M, final held-out reverse KL and accuracy are in budget.json (`points[].seeds`), so the study's
-own fit (`opdjax.budget.fit.hinge_fit`: the hinge dose-response over every run, B's interval from runs resampled
+own fit (`opdjax.study.fit.hinge_fit`: the hinge dose-response over every run, B's interval from runs resampled
 within every point, the baseline's too) can be redone on `--quality accuracy` (delta = an absolute accuracy drop)
 or another `--delta`. Prints B, its 95% interval, the span and whether it is resolved.
 """
@@ -14,7 +14,7 @@ import argparse
 import json
 import pathlib
 
-from opdjax.budget import fit
+from opdjax.study import fit
 
 
 def refit(result: dict, quality: str, delta: float, factor: float = 3.0) -> dict:

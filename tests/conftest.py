@@ -108,8 +108,8 @@ def pair(tmp_path_factory):
 LONGEST_FIRST = (
     "tests/remote/test_multiprocess.py", "tests/remote/test_vllm_server.py", "tests/remote/test_multiprocess_resume.py",
     "tests/remote/test_serve_processes.py", "tests/pipeline/test_loop.py", "tests/remote/test_vllm_server_fp8.py",
-    "tests/benchmarks/test_accelerator_check.py", "tests/budget/test_study.py", "tests/examples/test_examples.py",
-    "tests/benchmarks/test_vllm_fp8_gpu_check.py", "tests/data/test_prepare.py",
+    "tests/benchmarks/test_accelerator_check.py", "tests/study/test_study.py", "tests/examples/test_examples.py",
+    "tests/benchmarks/test_vllm_fp8_gpu_check.py", "tests/pipeline/test_prepare.py",
 )
 
 

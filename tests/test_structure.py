@@ -14,14 +14,14 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "opdjax"
 # The data flow, bottom up: a module imports only from its own layer or the layers before it.
 LAYERS = [
     {"core"},
-    {"quant"},
+    {"quant", "data"},
     {"models"},
     {"rollout", "teacher", "learner", "sync"},
     {"remote"},
-    {"data"},
     {"config"},
     {"pipeline"},
-    {"budget"},
+    {"admission"},
+    {"study"},
     {"cli"},
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}

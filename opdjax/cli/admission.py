@@ -10,17 +10,17 @@ import pathlib
 import sys
 
 from opdjax import quant
-from opdjax.budget.admit import admit, candidate_config, exit_code, format_admit_table, setup_source
-from opdjax.budget.io import (
+from opdjax.admission.admit import admit, candidate_config, exit_code, format_admit_table, setup_source
+from opdjax.admission.budget import (
     AdmissionError,
     Budget,
     calibration_warning,
     load_budget,
     setup_fingerprint,
 )
-from opdjax.budget.probe import DEFAULT_MAX_BATCHES, calibrate_kv
-from opdjax.budget.records import write_json
-from opdjax.budget.search import (
+from opdjax.admission.probe import DEFAULT_MAX_BATCHES, calibrate_kv
+from opdjax.admission.records import write_json
+from opdjax.admission.search import (
     BY_CHOICES,
     capacity_report,
     format_capacity,

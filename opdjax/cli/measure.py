@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from opdjax.budget.probe import probe
-from opdjax.budget.records import write_json
+from opdjax.admission.probe import probe
+from opdjax.admission.records import write_json
 from opdjax.cli.common import KEYS_HINT, guard
 from opdjax.config import TrainConfig, load, to_dict
 from opdjax.core import mismatch

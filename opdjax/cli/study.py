@@ -7,10 +7,10 @@ from typing import Any
 
 import yaml
 
-from opdjax.budget.study import run_study
-from opdjax.budget.study_config import load_study
 from opdjax.cli.common import KEYS_HINT, guard
 from opdjax.config import to_dict
+from opdjax.study.study import run_study
+from opdjax.study.study_config import load_study
 
 __all__ = ["add_study_command"]
 

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from opdjax.config import ConfigError, TrainConfig
 from opdjax.core.corrections import Correction
 from opdjax.data import tasks
-from opdjax.data.prepare import prepare_builtin
+from opdjax.pipeline.prepare import prepare_builtin
 from opdjax.learner import Learner, make_optimizer
 from opdjax.models import ModelConfig, hf
 from opdjax.models.sharding import make_mesh

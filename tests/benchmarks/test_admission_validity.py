@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from opdjax.budget.study_config import load_study
+from opdjax.study.study_config import load_study
 from tests.benchmarks.conftest import load_benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -59,8 +59,8 @@ def test_admit_probes_real_vllm_candidates(vllm_module, pair):
     """`opdjax admit` with VllmEngine candidates: f32 vLLM is admitted at a tiny budget; vLLM's FP8 weights (on a CPU
     through the emulation) and, where the CPU has AVX-512, the recipe fp8_kv_only (kv_cache_dtype=fp8) measurably
     raise M."""
-    from opdjax.budget import admit
-    from opdjax.budget.io import Budget
+    from opdjax.admission import admit
+    from opdjax.admission.budget import Budget
     from opdjax.rollout.vllm_settings import fp8_kv_cache_unsupported_reason
 
     glob = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",

@@ -19,7 +19,7 @@ from opdjax.models.tiny import make_tiny  # noqa: E402
 from opdjax.rollout import SamplingParams  # noqa: E402
 from opdjax.sync import BridgeError  # noqa: E402
 from opdjax.teacher.jax_teacher import JaxTeacher  # noqa: E402
-from opdjax.budget import search
+from opdjax.admission import search
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # the real vLLM engine
 
@@ -190,7 +190,7 @@ def test_generate_rejects_bad_input(engine):
 def test_rescore_reports_near_zero_mismatch_for_f32_vllm(engine, cfg, learner):
     """The one sample -> rescore loop (behind probe / measure / admit) on the real vLLM engine: f32 vLLM and the
     f32 JAX learner agree to ~1e-8 in k3."""
-    from opdjax.budget.probe import rescore
+    from opdjax.admission.probe import rescore
     from opdjax.cli.measure import format_table
 
     p = _params(cfg, 21)

@@ -11,10 +11,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from opdjax.budget import dose
-from opdjax.budget.fit import finite_mean
-from opdjax.budget.records import Point, noise_point
-from opdjax.budget.study_config import StudyConfig
 from opdjax.config import TrainConfig
 from opdjax.data import tasks
 from opdjax.data.prompts import encode_prompts
@@ -23,6 +19,10 @@ from opdjax.models.tiny import load_tokenizer
 from opdjax.pipeline.build import resolve_models, sampling_params
 from opdjax.pipeline.opd import completion_texts
 from opdjax.rollout import EngineMismatch, JaxEngine
+from opdjax.study import dose
+from opdjax.study.fit import finite_mean
+from opdjax.study.records import Point, noise_point
+from opdjax.study.study_config import StudyConfig
 
 
 Log = Callable[[str], None]

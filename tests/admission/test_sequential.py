@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from opdjax.budget import sequential as seq
+from opdjax.admission import sequential as seq
 
 B = 0.01  # the budget
 

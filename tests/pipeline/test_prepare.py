@@ -1,4 +1,4 @@
-"""The built-in pair `make demo` prepares (`data/prepare.py`), at toy step counts: a teacher and a student that
+"""The built-in pair `make demo` prepares (`pipeline/prepare.py`), at toy step counts: a teacher and a student that
 share a tokenizer, each built once and then reused (keyed by its settings), an interrupted preparation redone."""
 
 import json
@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from opdjax.config import TrainConfig, load
-from opdjax.data.prepare import _DONE, prepare_builtin
+from opdjax.pipeline.prepare import _DONE, prepare_builtin
 from opdjax.models import ModelConfig
 from opdjax.models.tiny import load_tokenizer
 

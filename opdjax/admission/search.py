@@ -27,9 +27,9 @@ import time
 from typing import Any, Mapping, Sequence
 
 from opdjax import quant
-from opdjax.budget import probe as probe_mod
-from opdjax.budget.admit import ProbeFn, verdict
-from opdjax.budget.io import AdmissionError, Budget
+from opdjax.admission import probe as probe_mod
+from opdjax.admission.admit import ProbeFn, verdict
+from opdjax.admission.budget import AdmissionError, Budget
 from opdjax.core import layout
 from opdjax.models import ModelConfig
 from opdjax.pipeline.build import resolve_models

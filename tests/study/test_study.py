@@ -8,11 +8,11 @@ import pathlib
 
 import pytest
 
-from opdjax.budget import fit, phenomena, report
-from opdjax.budget import study as study_mod
-from opdjax.budget import study_config
-from opdjax.budget import io as bio
+from opdjax.admission import budget as bio
 from opdjax.config import ConfigError
+from opdjax.study import fit, phenomena, report
+from opdjax.study import study as study_mod
+from opdjax.study import study_config
 
 # ----------------------------------------------------------------------------------------------------- pure fit
 
@@ -152,8 +152,8 @@ def test_small_study_writes_all_outputs_and_resume_skips_finished_runs(pair, tmp
 
 def _fake_runs(monkeypatch):
     """pipeline.train / probe stand-ins: final RKL = 1 + 100·sigma² (+ 0.3 for RL), M = sigma², k3 logged."""
-    from opdjax.budget import probe
-    from opdjax.budget.records import ProbeResult
+    from opdjax.admission import probe
+    from opdjax.admission.records import ProbeResult
     from opdjax.pipeline import loop as pipeline
 
     def fake_train(cfg, log=print):

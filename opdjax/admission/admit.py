@@ -7,9 +7,9 @@ Commands (registered by `add_admission_commands`):
     opdjax recipe-search --budget budget.json [--margin 0.8]  greedy FP8 recipe that fits the budget
     opdjax capacity --model DIR|PRESET --memory-gb 80 [--recipe NAME|FILE]   KV tokens that fit, BF16 vs recipe
 
-Verdict (M = the budget's metric, measured by the sequential probe `opdjax.budget.probe.probe_sequential`: it
+Verdict (M = the budget's metric, measured by the sequential probe `opdjax.admission.probe.probe_sequential`: it
 samples batch by batch and, after each, computes one-sided bounds [lo, hi] on M whose error rates hold under that
-optional stopping (alpha spending over looks, `opdjax.budget.sequential`); `--risk` is the chance of a false ADMIT,
+optional stopping (alpha spending over looks, `opdjax.admission.sequential`); `--risk` is the chance of a false ADMIT,
 and separately of a false REJECT):
 
     ADMIT      hi <= B          (the whole interval is inside the budget)
@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-from opdjax.budget import probe as probe_mod
-from opdjax.budget.io import AdmissionError, Budget
-from opdjax.budget.records import AdmitRow
-from opdjax.budget.sequential import explain
+from opdjax.admission import probe as probe_mod
+from opdjax.admission.budget import AdmissionError, Budget
+from opdjax.admission.records import AdmitRow
+from opdjax.admission.sequential import explain
 from opdjax.config import TrainConfig, load
 from opdjax.core.errors import ConfigError
 

@@ -27,7 +27,7 @@ with t = t_{1 - alpha_k, n - 1} and g the sample skewness of z; and no look befo
 Under right skew (h > 0) the plain t lower bound is already conservative, and the narrowing term is not safe: with a
 few huge sequences it can lift the "lower" bound above R itself (seen on a real FP8 probe: M 0.0111, lower bound
 0.0125), which would turn a candidate near B into a false REJECT.
-Looks are counted from the first one taken (k = 1, 2, ...). `tests/budget/test_sequential.py` checks the error
+Looks are counted from the first one taken (k = 1, 2, ...). `tests/admission/test_sequential.py` checks the error
 rates on synthetic skewed streams with known truth (at risk 5%: false ADMITs 4.3–4.7% at M = B, 1.6–2.7% at
 M = 1.05 B; false REJECTs 0.4% at M = 0.95 B).
 """

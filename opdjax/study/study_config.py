@@ -1,6 +1,6 @@
 """The study's configuration: `StudyConfig` (with the knee search's `KneeConfig` and the phenomena's `RLConfig` and
 `ShiftConfig`), its one loader `load_study`, and `round_level`, the rounding of weight-noise levels to the point
-ids. `opdjax.budget.study` runs a study; `opdjax.budget.phenomena` reads the same config.
+ids. `opdjax.study.study` runs a study; `opdjax.study.phenomena` reads the same config.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any, Mapping, Sequence
 
 
 from opdjax import quant
-from opdjax.budget.fit import FITS, QUALITIES
-from opdjax.budget.records import Point, noise_point
 from opdjax.config import ConfigError, TrainConfig, deep_update, from_dict, load, read_config_file
 from opdjax.core import corrections, mismatch
+from opdjax.study.fit import FITS, QUALITIES
+from opdjax.study.records import Point, noise_point
 
 __all__ = ["KneeConfig", "RLConfig", "SMALL_OVERRIDES", "ShiftConfig", "StudyConfig", "load_study", "round_level"]
 

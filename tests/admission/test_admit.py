@@ -11,14 +11,14 @@ import pathlib
 import pytest
 
 from opdjax import quant
-from opdjax.models.tiny import tiny_config
-from opdjax.budget import admit, records, search
-from opdjax.budget import io as bio
-from opdjax.budget.io import AdmissionError, Budget
-from opdjax.budget import probe as probe_mod
+from opdjax.admission import admit, records, search
+from opdjax.admission import budget as bio
+from opdjax.admission import probe as probe_mod
+from opdjax.admission.budget import AdmissionError, Budget
 from opdjax.cli import admission as cli_admission
 from opdjax.core import layout
 from opdjax.models import presets
+from opdjax.models.tiny import tiny_config
 
 # ------------------------------------------------------------------------------------------------------ fakes
 
@@ -337,7 +337,7 @@ def test_cache_amax_matches_transformers_kv_cache(pair):
     import torch
     import transformers
 
-    from opdjax.budget.probe import cache_amax
+    from opdjax.admission.probe import cache_amax
     from opdjax.models import ModelConfig, hf
 
     mcfg = ModelConfig.from_dir(pair[0])
@@ -358,7 +358,7 @@ def test_calibrated_kv_scales_are_probed_as_a_recipe(pair):
     fixed scale 1.0 (`tests/quant/test_hooks.py::test_calibrated_kv_scales_keep_small_values_out_of_the_subnormals`).
     This random tiny pair's K/V reach 3.5 and 0.6, where e4m3's relative precision is the same at any scale, and
     the two M differ by sampling noise only (8.4e-6 vs 8.7e-6, either order by seed), so no order is asserted."""
-    from opdjax.budget.probe import kv_amax, probe
+    from opdjax.admission.probe import kv_amax, probe
 
     glob = [f"student={pair[0]}", f"teacher={pair[1]}", "task.options={digits: 1}", "rollout.batch_size=8",
             "rollout.max_new_tokens=4", "pipeline.progress=false", "pipeline.tensorboard=false"]

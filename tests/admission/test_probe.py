@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from opdjax.budget.probe import bootstrap_ci, per_sequence_terms, probe
+from opdjax.admission.probe import bootstrap_ci, per_sequence_terms, probe
 from opdjax.config import TrainConfig, load
 from opdjax.core import mismatch
 

@@ -19,9 +19,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from opdjax.budget import dose
-from opdjax.budget.dose import CI_LEVEL, QUALITIES, runs_verdict
-from opdjax.budget.records import Point, RunResult
+from opdjax.study import dose
+from opdjax.study.dose import CI_LEVEL, QUALITIES, runs_verdict
+from opdjax.study.records import Point, RunResult
 
 __all__ = ["CI_LEVEL", "FITS", "QUALITIES", "aggregate", "baseline_stats", "budget_interval", "finite_mean",
            "fit_budget", "hinge_fit", "knee_bracket", "mean_ci", "monotone_q_loss", "point_effect", "quality_losses",

@@ -2,7 +2,7 @@
 
 import pytest
 
-from opdjax.budget import study_config
+from opdjax.study import study_config
 from opdjax.config import ConfigError
 
 

@@ -12,9 +12,9 @@ import pathlib
 import statistics
 from typing import Any, Mapping, Sequence
 
-from opdjax.budget import dose
-from opdjax.budget.fit import straddles
 from opdjax.pipeline.rundir import write_text
+from opdjax.study import dose
+from opdjax.study.fit import straddles
 
 __all__ = ["CSV_FIELDS", "plot", "summary_markdown", "validity_markdown", "write_csv"]
 

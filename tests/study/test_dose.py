@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from opdjax.budget import dose
+from opdjax.study import dose
 
 K_TRUE = math.log(1.3e-3)  # the knee, between the levels 1e-3 and 3.16e-3 (not on a midpoint)
 B_TRUE = 1.0  # slope of ln(rkl) per unit ln M beyond the knee

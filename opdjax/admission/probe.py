@@ -10,7 +10,7 @@ small, or Adam's first sign-like steps at full learning rate, an order of magnit
 
 M is the chosen metric (default k3) over all probe tokens. `probe` samples a fixed number of batches and gives M a
 95% bootstrap CI over sequences (behind `measure`, the study and the recipe search); `probe_sequential` (behind
-`admit`) samples the same batches one at a time until M's bounds clear a budget B (`opdjax.budget.sequential`).
+`admit`) samples the same batches one at a time until M's bounds clear a budget B (`opdjax.admission.sequential`).
 `rescore` is the one sample -> rescore loop both use, as can any caller with its own engine and learner.
 """
 
@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from opdjax import quant
-from opdjax.budget import sequential
-from opdjax.budget.records import ProbeResult
+from opdjax.admission import sequential
+from opdjax.admission.records import ProbeResult
 from opdjax.config import TrainConfig
 from opdjax.core import mismatch
 from opdjax.data.prompts import PromptStream

@@ -44,8 +44,15 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import yaml
 
-from opdjax.budget import probe as probe_mod
-from opdjax.budget.fit import (
+from opdjax import quant
+from opdjax.admission import probe as probe_mod
+from opdjax.admission.budget import setup_fingerprint
+from opdjax.admission.records import write_json
+from opdjax.config import to_dict
+from opdjax.pipeline import loop
+from opdjax.pipeline.rundir import write_text
+from opdjax.rollout.vllm_settings import engine_dtype
+from opdjax.study.fit import (
     aggregate,
     baseline_stats,
     budget_interval,
@@ -57,16 +64,10 @@ from opdjax.budget.fit import (
     point_effect,
     runs_verdict,
 )
-from opdjax.budget.io import setup_fingerprint
-from opdjax.budget.phenomena import phenomena
-from opdjax.budget.records import Point, RunResult, noise_point, write_json
-from opdjax.budget.report import plot, summary_markdown, write_csv
-from opdjax.budget.study_config import KneeConfig, StudyConfig, round_level
-from opdjax import quant
-from opdjax.config import to_dict
-from opdjax.pipeline import loop
-from opdjax.pipeline.rundir import write_text
-from opdjax.rollout.vllm_settings import engine_dtype
+from opdjax.study.phenomena import phenomena
+from opdjax.study.records import Point, RunResult, noise_point
+from opdjax.study.report import plot, summary_markdown, write_csv
+from opdjax.study.study_config import KneeConfig, StudyConfig, round_level
 
 __all__ = ["knee_candidates", "knee_search", "phenomena_points", "run_identity", "run_one", "run_study",
            "sweep_points", "train_mismatch"]
