@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from opdjax.config import ConfigError
+from opdjax.core.errors import InputError
 from opdjax.models import ModelConfig, hf
 from opdjax.models.tiny import load_tokenizer, make_tiny
 from opdjax.pipeline import loop as pipeline
@@ -236,3 +237,17 @@ def test_a_row_of_the_wrong_version_is_never_trained_on(pair):
         assert down and "answered with weight version(s) ['7'], expected v3" in down[0]["why"]
     finally:
         server.stop()
+
+
+def test_call_settings_are_one_value_for_both_clients_and_the_sync_section():
+    """Timeout, retries, backoff and wait: one frozen value that RemoteEngine and RemoteTeacher share, read from
+    `sync.request_timeout / retries / wait_s`; a bad one is refused naming the field."""
+    from opdjax.config import TrainConfig, load
+
+    calls = load(TrainConfig, None, ["sync.request_timeout=7", "sync.retries=0", "sync.wait_s=2"]).sync.calls
+    assert calls == CallSettings(timeout=7.0, retries=0, wait_s=2.0)
+    for kw, words in (({"timeout": 0}, "CallSettings.timeout must be > 0"),
+                      ({"retries": -1}, "CallSettings.retries must be an integer >= 0"),
+                      ({"wait_s": -1.0}, "CallSettings.wait_s must be > 0")):
+        with pytest.raises(InputError, match=words):
+            CallSettings(**kw)

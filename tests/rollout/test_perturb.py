@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,3 +60,42 @@ def test_noise_sigma_zero_identity_deterministic_and_filter():
     with pytest.raises(ValueError, match="relative"):
         add_weight_noise(p, 0.1, jax.random.key(0), mode="gauss")
 
+
+
+def test_engine_mismatch_is_one_validated_value_naming_the_config_key():
+    """The engine-side knobs are validated once, on construction, with the config key in the message; a preset name
+    or a mapping is read into the value; `EngineMismatch()` is the clean engine."""
+    from opdjax import quant
+    from opdjax.rollout import EngineMismatch
+
+    clean = EngineMismatch()
+    assert clean.is_clean and clean.recipe == quant.get_recipe("none") and EngineMismatch.of(None) == clean
+    m = EngineMismatch.of({"recipe": "fp8_w8a8", "weight_noise": 1, "stale_versions": 2})
+    assert m.recipe == quant.get_recipe("fp8_w8a8") and m.weight_noise == 1.0 and m.stale_versions == 2
+    assert not m.is_clean and EngineMismatch.of(m) is m
+    assert m.describe() == {"recipe": "fp8_w8a8", "weight_noise": 1.0, "noise_mode": "fixed", "stale_versions": 2}
+    for kw, words in (({"recipe": "fp4"}, "rollout.recipe='fp4' is not valid"),
+                      ({"weight_noise": -0.1}, "rollout.weight_noise must be >= 0"),
+                      ({"noise_mode": "sometimes"}, "rollout.noise_mode='sometimes' is not valid"),
+                      ({"stale_versions": -1}, "rollout.stale_versions must be an integer >= 0"),
+                      ({"stale_versions": 1.5}, "rollout.stale_versions must be an integer >= 0")):
+        with pytest.raises(ValueError, match=words):
+            EngineMismatch(**kw)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.weight_noise = 0.0
+
+
+def test_a_rollout_config_gives_its_mismatch_and_takes_another():
+    """`RolloutConfig.mismatch` is the keys as one value; `with_mismatch` writes one back (a preset by its name), so
+    the probe's clean engine is `with_mismatch(EngineMismatch())`, nothing cleared by hand."""
+    from opdjax.config import TrainConfig, load
+    from opdjax.rollout import EngineMismatch
+
+    cfg = load(TrainConfig, None, ["rollout.recipe=fp8_w8a8", "rollout.weight_noise=0.3", "rollout.noise_mode=rounding",
+                                   "rollout.stale_versions=1"])
+    m = cfg.rollout.mismatch
+    assert (m.recipe.name, m.weight_noise, m.noise_mode, m.stale_versions) == ("fp8_w8a8", 0.3, "rounding", 1)
+    clean = cfg.rollout.with_mismatch(EngineMismatch())
+    assert (clean.recipe, clean.weight_noise, clean.noise_mode, clean.stale_versions) == ("none", 0.0, "fixed", 0)
+    assert clean.mismatch.is_clean and clean.batch_size == cfg.rollout.batch_size
+    assert cfg.rollout.with_mismatch(m) == cfg.rollout
