@@ -35,8 +35,8 @@ __all__ = ["Run", "build", "make_engine", "make_evaluator", "make_publisher", "m
 
 @dataclasses.dataclass
 class Run:
-    """Everything one training run holds: the OPD components (`parts`, what `pipeline.opd` steps on: read them as
-    `run.parts.engine`, `run.parts.teacher` (None when built with_teacher=False), ...) and what the loop needs
+    """Everything one training run holds: the OPD components, what `pipeline.opd` steps on, read as
+    `run.parts.engine`, `run.parts.teacher` (None when built with_teacher=False) and so on; and what the loop needs
     besides (the config, the model, the mesh, the run directory, the links to close)."""
 
     cfg: TrainConfig
