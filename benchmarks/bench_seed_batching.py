@@ -41,7 +41,7 @@ def built(overrides: list[str], rows: int):
     cfg = load(TrainConfig, None, [*overrides, f"rollout.batch_size={rows}", "pipeline.overwrite=true",
                                    "pipeline.tensorboard=false", f"pipeline.out_dir=/tmp/bench_seed_batching_{rows}"])
     run = build(cfg, log=lambda s: None)
-    return run, run.learner.init(run.params), PromptStream(run.task, seed=cfg.seed)
+    return run, run.parts.learner.init(run.params), PromptStream(run.parts.task, seed=cfg.seed)
 
 
 def timed_step(run, state, stream, rows: int, step: int):

@@ -128,8 +128,8 @@ def _session(cfg: TrainConfig, seed: int, log) -> Iterator[tuple[Callable[[Itera
     Yields (score(batches) -> Rescored of those probe batches, the learner's version)."""
     k = cfg.rollout.stale_versions
     with build(cfg, log=log, with_teacher=bool(k)) as run:
-        state = run.learner.init(run.params)
-        stream = PromptStream(run.task, seed=cfg.seed + 31 + seed)
+        state = run.parts.learner.init(run.params)
+        stream = PromptStream(run.parts.task, seed=cfg.seed + 31 + seed)
         learner_version = 0
         if k:
             # Throwaway steps, each published: the engine (stale_versions=k) serves version W while the learner is at
@@ -141,7 +141,7 @@ def _session(cfg: TrainConfig, seed: int, log) -> Iterator[tuple[Callable[[Itera
         yield (lambda batches: rescore(
             lambda b: generate(p.engine, p.tokenizer, stream.next(cfg.rollout.batch_size), p.sampling,
                                seed=20_000 + 97 * seed + b, samples_per_prompt=p.samples_per_prompt),
-            lambda batch: run.learner.logp(state.params, batch.tokens_BT, batch.valid_BT), batches)), learner_version
+            lambda batch: p.learner.logp(state.params, batch.tokens_BT, batch.valid_BT), batches)), learner_version
 
 
 def probe(cfg: TrainConfig, *, batches: int = 4, metric: str = "k3", seed: int = 0, log=print) -> ProbeResult:
@@ -204,7 +204,7 @@ def kv_amax(cfg: TrainConfig, *, batches: int = 2, seed: int = 0, log=print) -> 
     """
     clean = dataclasses.replace(cfg, rollout=cfg.rollout.with_mismatch(EngineMismatch()))
     with build(clean, log=log, with_teacher=False) as run:
-        stream = PromptStream(run.task, seed=cfg.seed + 977 + seed)
+        stream = PromptStream(run.parts.task, seed=cfg.seed + 977 + seed)
         out = np.zeros((run.student_cfg.num_layers, 2))
         for b in range(batches):
             p = run.parts

@@ -36,8 +36,9 @@ __all__ = ["Inputs", "Run", "build", "check_inputs", "make_engine", "make_evalua
 
 @dataclasses.dataclass
 class Run:
-    """Everything one training run holds: the OPD components (`parts`, what `pipeline.opd` steps on) and what the
-    loop needs besides (the config, the model, the mesh, the run directory, the links to close)."""
+    """Everything one training run holds: the OPD components, what `pipeline.opd` steps on, read as
+    `run.parts.engine`, `run.parts.teacher` (None when built with_teacher=False) and so on; and what the loop needs
+    besides (the config, the model, the mesh, the run directory, the links to close)."""
 
     cfg: TrainConfig
     parts: OPDParts
@@ -47,14 +48,6 @@ class Run:
     mesh: Mesh
     out_dir: pathlib.Path
     links: list[Link] = dataclasses.field(default_factory=list)
-
-    # The components, by the names the rest of the package reads them.
-    engine = property(lambda self: self.parts.engine)
-    teacher = property(lambda self: self.parts.teacher)  # None when built with_teacher=False
-    learner = property(lambda self: self.parts.learner)
-    publisher = property(lambda self: self.parts.publisher)
-    tokenizer = property(lambda self: self.parts.tokenizer)
-    task = property(lambda self: self.parts.task)
 
     def close(self) -> None:
         """Release what the run opened for publishing (sockets, snapshot directories)."""
@@ -223,11 +216,12 @@ def make_evaluator(run: Run) -> Evaluator:
     """The held-out evaluator of a run: `pipeline.eval_prompts` held-out examples drawn with `pipeline.eval_seed` (the
     same set for every run seed, so seeds are compared on the same prompts), sampled by a
     clean JAX engine (no quantization, noise or staleness), scored by the run's teacher."""
-    cfg, tok = run.cfg, run.tokenizer
+    cfg, p = run.cfg, run.parts
+    tok = p.tokenizer
     engine = JaxEngine(run.student_cfg, None, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
-    return Evaluator(engine, run.teacher, tok, Evaluator.held_out(run.task, cfg.pipeline.eval_prompts,
-                                                                  cfg.pipeline.eval_seed),
-                     model_cfg=run.student_cfg, max_new_tokens=cfg.rollout.max_new_tokens, task=run.task)
+    return Evaluator(engine, p.teacher, tok, Evaluator.held_out(p.task, cfg.pipeline.eval_prompts,
+                                                                cfg.pipeline.eval_seed),
+                     model_cfg=run.student_cfg, max_new_tokens=cfg.rollout.max_new_tokens, task=p.task)
 
 
 def sampling_params(cfg: TrainConfig, tokenizer, *, temperature: float | None = None) -> SamplingParams:

@@ -1,8 +1,9 @@
-"""The OPD loop: generate -> score -> train -> publish, synchronous or asynchronous.
+"""The OPD loop: rollout -> score -> train -> publish, synchronous or asynchronous, with checkpoints and resume.
 
-Synchronous: each step samples with the weights the learner just published. Asynchronous: a background worker
-keeps sampling into a bounded queue with whatever weights the engine serves; every rollout carries its weight
-version and the learner drops (and counts) rollouts more than `max_staleness` versions old.
+Rollouts come from one source (`rollouts`): sampled on demand with the weights the learner just published (sync), or
+sampled ahead by a background worker with whatever weights the engine serves (async; every rollout carries its
+weight version and the learner drops, and counts, rollouts more than `max_staleness` versions old). `_Loop` holds
+a run's state while it steps.
 
 Metrics go to `<out_dir>/metrics.jsonl` (and TensorBoard when tensorboardX is installed); a progress bar shows
 step, loss, teacher KL and mismatch. Only process 0 writes.
@@ -10,12 +11,11 @@ step, loss, teacher KL and mismatch. Only process 0 writes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
-import queue
 import shutil
-import threading
 import time
 from typing import Any, Callable
 
@@ -25,61 +25,20 @@ from tqdm import tqdm
 from opdjax.config import TrainConfig, to_dict
 from opdjax.data.prompts import PromptStream
 from opdjax.learner import latest_step, restore_checkpoint, save_checkpoint
-from opdjax.learner.distributed import agree, barrier, gathered, row_share
+from opdjax.learner.distributed import agree, barrier, gathered
 from opdjax.models import hf
 from opdjax.pipeline import rundir
 from opdjax.pipeline.build import Run, build, check_inputs, make_evaluator
+from opdjax.pipeline.evaluate import Evaluator
 from opdjax.pipeline.logger import MetricsLogger
-from opdjax.pipeline.opd import generate, publish, rollout_seed, train_on
-from opdjax.rollout import RolloutBatch
+from opdjax.pipeline.opd import publish, train_on
+from opdjax.pipeline.phases import Phases
+from opdjax.pipeline.rollouts import AheadSource, Rollout, RolloutSource
 from opdjax.rollout.base import pad_left
 
 __all__ = ["format_summary", "train"]
 
 KL_METRICS = ("teacher_kl", "forward_kl", "jsd")  # the progress bar shows the first one the loss reports
-
-
-@dataclasses.dataclass
-class _Rollout:
-    batch: RolloutBatch
-    examples: list
-    stream_end: int   # stream position after this rollout's prompts (what a checkpoint records)
-    gen_seconds: float
-
-
-class _Worker(threading.Thread):
-    """Async mode: samples ahead into a bounded queue with whatever weights the engine serves."""
-
-    def __init__(self, run: Run, stream: PromptStream, q: queue.Queue, first_seed: int):
-        super().__init__(daemon=True, name="opdjax-rollout")
-        self.ctx, self.stream, self.q, self.seed = run, stream, q, first_seed
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self):  # noqa: D102 (threading API)
-        try:
-            while not self.stop.is_set():
-                item = _sample(self.ctx, self.stream, self.seed)
-                self.seed += 1
-                while not self.stop.is_set():
-                    try:
-                        self.q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-        except BaseException as e:  # surfaced to the learner thread
-            self.error = e
-
-
-def _sample(run: Run, stream: PromptStream, seed: int) -> _Rollout:
-    """The next batch of prompts (the same stream on every learner process), this process's share sampled."""
-    examples = stream.next(run.cfg.rollout.batch_size)
-    a, b = row_share(len(examples))
-    t0 = time.time()
-    p = run.parts
-    batch = generate(p.engine, p.tokenizer, examples[a:b], p.sampling, seed=seed + 1_000_003 * jax.process_index(),
-                     samples_per_prompt=p.samples_per_prompt)
-    return _Rollout(batch, examples[a:b], stream.position, time.time() - t0)
 
 
 class ZeroGradWatch:
@@ -173,23 +132,13 @@ class _Progress:
 
 def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
     """Fresh or resumed run directory -> initial evaluation -> the step loop -> final checkpoint, export, summary."""
-    state = run.learner.init(run.params)
-    stream = PromptStream(run.task, seed=run.cfg.seed)
+    state = run.parts.learner.init(run.params)
+    stream = PromptStream(run.parts.task, seed=run.cfg.seed)
     log(f"prompts: {stream.size} distinct training prompts per epoch ({run.cfg.task.name}), "
         f"{run.cfg.pipeline.eval_prompts} held-out prompts per evaluation")
     _prepare_dir(run)
     state, prog = _resume(run, state, stream, log)
-    evaluate = make_evaluator(run)
-    zero_grad = ZeroGradWatch(log)
-    with MetricsLogger(run.out_dir, run.cfg.pipeline.tensorboard, resume=run.cfg.pipeline.resume and prog.step > 0
-                       ) as logger:
-        _evaluate_start(run, evaluate, state, prog, logger, log)
-        t_start = time.time()
-        state = _steps(run, state, stream, prog, evaluate, logger, zero_grad)
-    if prog.saved != prog.step:
-        _checkpoint(run, state, prog)
-    final_dir = _export(run, state)
-    return _summary(run, prog, final_dir, time.time() - t_start, zero_grad)
+    return _Loop(run, log, state, prog, stream, make_evaluator(run), ZeroGradWatch(log)).train()
 
 
 def _prepare_dir(run: Run) -> None:
@@ -222,138 +171,151 @@ def _resume(run: Run, state, stream: PromptStream, log) -> tuple[Any, _Progress]
     return state, prog
 
 
-def _evaluate_start(run: Run, evaluate, state, prog: _Progress, logger: MetricsLogger, log) -> None:
-    """The initial evaluation (kept from the checkpoint when resuming); a run resumed at its last step (killed while
-    writing its results) evaluates the final weights again."""
-    if prog.initial_eval is None:
-        prog.initial_eval = evaluate(state.params, prog.step)
-        logger.log(prog.step, prog.initial_eval)
-        what = f"step {prog.step}"
-    else:
-        what = "initial (step 0)"
-    log(f"{what}: held-out reverse KL {prog.initial_eval['eval/reverse_kl']:.3f}, "
-        f"accuracy {prog.initial_eval['eval/accuracy']:.3f}")
-    steps = run.cfg.pipeline.steps
-    prog.last_eval = evaluate(state.params, prog.step) if prog.step >= steps > 0 else prog.initial_eval
+def _open_source(run: Run, stream: PromptStream, first_step: int) -> RolloutSource:
+    """The run's rollouts: sampled on demand (pipeline.mode=sync) or ahead by a worker (async: pipeline.queue_size
+    rollouts ahead, those more than pipeline.max_staleness versions old dropped)."""
+    pc, each = run.cfg.pipeline, dict(batch_size=run.cfg.rollout.batch_size, run_seed=run.cfg.seed)
+    if pc.mode == "async":
+        return AheadSource(run.parts, stream, first_step=first_step, queue_size=pc.queue_size,
+                           max_staleness=pc.max_staleness, **each)
+    return RolloutSource(run.parts, stream, **each)
 
 
-def _checkpoint(run: Run, state, prog: _Progress) -> None:
-    prog.saved = prog.step
-    save_checkpoint(run.out_dir / "checkpoints", state, {
-        "step": prog.step, "stream_position": prog.position, "dropped": prog.dropped,
-        "initial_eval": prog.initial_eval})
+def _progress_bar(run: Run, initial: int) -> contextlib.AbstractContextManager:
+    """The step bar (pipeline.progress, process 0 only; otherwise a context holding None)."""
+    pc = run.cfg.pipeline
+    if pc.progress and jax.process_index() == 0:
+        return tqdm(total=pc.steps, initial=initial, desc="opd", dynamic_ncols=True)
+    return contextlib.nullcontext()
 
 
-def _next_rollout(run: Run, stream, worker, q, prog: _Progress) -> _Rollout | None:
-    """The next rollout to train on: sampled now (sync) or taken from the worker's queue (async; None when it was
-    more than `max_staleness` versions old, counted as dropped). Its staleness is in `meta["staleness"]`."""
-    if worker is None:
-        item = _sample(run, stream, rollout_seed(run.cfg.seed, prog.step))
-    else:
-        item = _get(q, worker)
-    staleness = agree(prog.step - int(item.batch.version_B.min()))  # one decision on every process
-    if worker is not None and staleness > run.cfg.pipeline.max_staleness:
-        prog.dropped += 1
+@dataclasses.dataclass
+class _Loop:
+    """One run's step loop: what it trains (`run`, `state`), where it stands (`prog`), where rollouts come from
+    (`stream`, and `source` while the steps run) and where results go (`evaluate`, `zero_grad`, and `logger`, `bar`
+    while the steps run)."""
+
+    run: Run
+    log: Callable[[str], None]
+    state: Any                  # the learner's TrainState
+    prog: _Progress
+    stream: PromptStream
+    evaluate: Evaluator
+    zero_grad: ZeroGradWatch
+    logger: MetricsLogger | None = None
+    source: RolloutSource | None = None
+    bar: tqdm | None = None
+
+    def train(self) -> dict[str, Any]:
+        """Initial evaluation, the steps, the final checkpoint and export; returns the summary."""
+        pc = self.run.cfg.pipeline
+        with MetricsLogger(self.run.out_dir, pc.tensorboard, resume=pc.resume and self.prog.step > 0) as self.logger:
+            self.evaluate_start()
+            t_start = time.time()
+            with _open_source(self.run, self.stream, self.prog.step) as self.source, \
+                    _progress_bar(self.run, self.prog.step) as self.bar:
+                while self.prog.step < pc.steps:
+                    self.step()
+        if self.prog.saved != self.prog.step:
+            self.checkpoint()
+        return self.summary(self.export(), time.time() - t_start)
+
+    def evaluate_start(self) -> None:
+        """The initial evaluation (kept from the checkpoint when resuming); a run resumed at its last step (killed
+        while writing its results) evaluates the final weights again."""
+        prog = self.prog
+        if prog.initial_eval is None:
+            prog.initial_eval = self.evaluate(self.state.params, prog.step)
+            self.logger.log(prog.step, prog.initial_eval)
+            what = f"step {prog.step}"
+        else:
+            what = "initial (step 0)"
+        self.log(f"{what}: held-out reverse KL {prog.initial_eval['eval/reverse_kl']:.3f}, "
+                 f"accuracy {prog.initial_eval['eval/accuracy']:.3f}")
+        steps = self.run.cfg.pipeline.steps
+        prog.last_eval = self.evaluate(self.state.params, prog.step) if prog.step >= steps > 0 else prog.initial_eval
+
+    def step(self) -> None:
+        """One step: the next rollout (one too stale is counted and skipped) -> `train_on` -> `publish`; then the
+        due evaluation, the metrics, the zero-gradient watch, the bar and the due checkpoint."""
+        pc, prog, phases = self.run.cfg.pipeline, self.prog, Phases()
+        with phases.time("wait"):
+            item = self.source.next(prog.step)
+        if item.dropped:
+            prog.dropped += 1
+            prog.position = item.stream_end
+            return
+        m = self._train_on(item, phases)
+        if pc.eval_every and prog.step % pc.eval_every == 0 or prog.step == pc.steps:
+            prog.last_eval = self.evaluate(self.state.params, prog.step)
+            m.update(prog.last_eval)
+        self.logger.log(prog.step, m)
+        self.zero_grad.update(prog.step, float(m.get("grad_norm", 1.0)))
+        self._show(m)
+        if pc.checkpoint_every and prog.step % pc.checkpoint_every == 0 and prog.step < pc.steps:
+            self.checkpoint()
+
+    def _train_on(self, item: Rollout, phases: Phases) -> dict[str, Any]:
+        """Train on `item` (padded to the longest row of any process), publish the new weights; the step's metrics."""
+        parts, prog = self.run.parts, self.prog
+        batch = pad_left(item.batch, agree(item.batch.tokens_BT.shape[1]), parts.tokenizer.pad_token_id)
+        self.state, m = train_on(parts, self.state, batch, item.examples)
+        prog.step += 1
         prog.position = item.stream_end
-        return None
-    item.batch.meta["staleness"] = staleness
-    return item
+        with phases.time("publish"):
+            publish(parts, self.state.params, prog.step)
+        m.update({"staleness": item.staleness, "dropped": prog.dropped, **item.seconds, **phases.seconds})
+        return m
 
+    def _show(self, m: dict[str, Any]) -> None:
+        """The bar: step, loss, the loss's own divergence to the teacher, mismatch k3, held-out accuracy."""
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        kl = next((k for k in KL_METRICS if k in m), None)
+        self.bar.set_postfix(loss=f"{m['loss']:.3f}", **({kl: f"{m[kl]:.3f}"} if kl else {}),
+                             k3=f"{m.get('mismatch/k3', float('nan')):.2e}",
+                             acc=f"{self.prog.last_eval['eval/accuracy']:.2f}")
 
-def _steps(run: Run, state, stream: PromptStream, prog: _Progress, evaluate, logger: MetricsLogger, zero_grad
-           ) -> Any:
-    """The step loop: rollout -> `train_on` -> `publish`, evaluations, checkpoints, metrics, the progress bar."""
-    pc = run.cfg.pipeline
-    bar = tqdm(total=pc.steps, initial=prog.step, desc="opd", dynamic_ncols=True) \
-        if pc.progress and jax.process_index() == 0 else None
-    q: queue.Queue = queue.Queue(maxsize=pc.queue_size)
-    worker = _Worker(run, stream, q, first_seed=rollout_seed(run.cfg.seed, prog.step)) \
-        if pc.mode == "async" else None
-    if worker is not None:
-        worker.start()
-    try:
-        while prog.step < pc.steps:
-            state = _one_step(run, state, stream, worker, q, prog, evaluate, logger, bar, zero_grad)
-    finally:
-        if worker is not None:
-            worker.stop.set()
-            worker.join(timeout=30)
-        if bar is not None:
-            bar.close()
-    return state
+    def checkpoint(self) -> None:
+        """The state and what resuming needs: step, stream position, dropped rollouts, the initial evaluation."""
+        prog = self.prog
+        prog.saved = prog.step
+        save_checkpoint(self.run.out_dir / "checkpoints", self.state, {
+            "step": prog.step, "stream_position": prog.position, "dropped": prog.dropped,
+            "initial_eval": prog.initial_eval})
 
+    def export(self) -> pathlib.Path:
+        """The final student as a Hugging Face directory (written next to it, then renamed: a kill leaves the old
+        export or the new one)."""
+        out = self.run.out_dir
+        final_dir = out / "student_final"
+        final_params = gathered(self.state.params)  # every process takes part in the gather
+        if jax.process_index() == 0:
+            tmp = out / ".student_final.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            hf.save_model(tmp, self.run.student_cfg, final_params)
+            self.run.parts.tokenizer.save_pretrained(tmp)
+            shutil.rmtree(final_dir, ignore_errors=True)
+            tmp.rename(final_dir)
+        return final_dir
 
-def _one_step(run: Run, state, stream, worker, q, prog: _Progress, evaluate, logger, bar, zero_grad):
-    pc = run.cfg.pipeline
-    t0 = time.time()
-    item = _next_rollout(run, stream, worker, q, prog)
-    if item is None:
-        return state
-    t1 = time.time()
-    batch = pad_left(item.batch, agree(item.batch.tokens_BT.shape[1]), run.tokenizer.pad_token_id)
-    state, m = train_on(run.parts, state, batch, item.examples)
-    prog.step += 1
-    prog.position = item.stream_end
-    t2 = time.time()
-    publish(run.parts, state.params, prog.step)
-    m.update({"staleness": item.batch.meta["staleness"], "dropped": prog.dropped, "time/generate": item.gen_seconds,
-              "time/wait": t1 - t0, "time/publish": time.time() - t2})
-    if pc.eval_every and prog.step % pc.eval_every == 0 or prog.step == pc.steps:
-        prog.last_eval = evaluate(state.params, prog.step)
-        m.update(prog.last_eval)
-    logger.log(prog.step, m)
-    zero_grad.update(prog.step, float(m.get("grad_norm", 1.0)))
-    if bar is not None:
-        bar.update(1)
-        kl = next((k for k in KL_METRICS if k in m), None)  # the loss's own divergence to the teacher
-        bar.set_postfix(loss=f"{m['loss']:.3f}", **({kl: f"{m[kl]:.3f}"} if kl else {}),
-                        k3=f"{m.get('mismatch/k3', float('nan')):.2e}", acc=f"{prog.last_eval['eval/accuracy']:.2f}")
-    if pc.checkpoint_every and prog.step % pc.checkpoint_every == 0 and prog.step < pc.steps:
-        _checkpoint(run, state, prog)
-    return state
-
-
-def _export(run: Run, state) -> pathlib.Path:
-    """The final student as a Hugging Face directory (written next to it, then renamed: a kill leaves the old export
-    or the new one)."""
-    final_dir = run.out_dir / "student_final"
-    final_params = gathered(state.params)  # every process takes part in the gather
-    if jax.process_index() == 0:
-        tmp = run.out_dir / ".student_final.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        hf.save_model(tmp, run.student_cfg, final_params)
-        run.tokenizer.save_pretrained(tmp)
-        shutil.rmtree(final_dir, ignore_errors=True)
-        tmp.rename(final_dir)
-    return final_dir
-
-
-def _summary(run: Run, prog: _Progress, final_dir: pathlib.Path, seconds: float, zero_grad) -> dict[str, Any]:
-    """summary.json: steps, initial and final evaluation, their reverse-KL ratio, server outages."""
-    i, f = prog.initial_eval, prog.last_eval
-    summary = {
-        "steps": prog.step, "mode": run.cfg.pipeline.mode, "dropped_rollouts": prog.dropped, "seconds": seconds,
-        "initial": i, "final": f, "student_final": str(final_dir),
-        "reverse_kl_ratio": f["eval/reverse_kl"] / max(i["eval/reverse_kl"], 1e-9),
-        "zero_grad_steps": zero_grad.total,
-    }
-    outages = [*run.engine.outages, *getattr(run.teacher, "outages", ())]
-    if outages:  # remote servers that went down (and came back) during the run
-        summary["server_outages"] = outages
-    if jax.process_index() == 0:
-        rundir.write_json(run.out_dir / "summary.json", summary)
-    return summary
-
-
-def _get(q: queue.Queue, worker: _Worker) -> _Rollout:
-    while True:
-        if worker.error is not None:
-            raise RuntimeError("rollout worker failed") from worker.error
-        try:
-            return q.get(timeout=0.5)
-        except queue.Empty:
-            if not worker.is_alive() and worker.error is None:
-                raise RuntimeError("rollout worker stopped unexpectedly")
+    def summary(self, final_dir: pathlib.Path, seconds: float) -> dict[str, Any]:
+        """summary.json: steps, initial and final evaluation, their reverse-KL ratio, server outages."""
+        run, prog = self.run, self.prog
+        i, f = prog.initial_eval, prog.last_eval
+        summary = {
+            "steps": prog.step, "mode": run.cfg.pipeline.mode, "dropped_rollouts": prog.dropped, "seconds": seconds,
+            "initial": i, "final": f, "student_final": str(final_dir),
+            "reverse_kl_ratio": f["eval/reverse_kl"] / max(i["eval/reverse_kl"], 1e-9),
+            "zero_grad_steps": self.zero_grad.total,
+        }
+        outages = [*run.parts.engine.outages, *getattr(run.parts.teacher, "outages", ())]
+        if outages:  # remote servers that went down (and came back) during the run
+            summary["server_outages"] = outages
+        if jax.process_index() == 0:
+            rundir.write_json(run.out_dir / "summary.json", summary)
+        return summary
 
 
 def _ratio_text(r: float) -> str:

@@ -15,7 +15,6 @@ asynchronous mode calls `generate` on a worker thread and `train_on` + `publish`
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -25,6 +24,7 @@ from opdjax.data.prompts import encode_prompts
 from opdjax.data.tasks import Example, Task
 from opdjax.learner import Learner, TrainState
 from opdjax.learner.distributed import barrier, is_multiprocess
+from opdjax.pipeline.phases import Phases
 from opdjax.rollout import RolloutBatch, RolloutEngine, SamplingParams
 from opdjax.sync import Publisher
 from opdjax.teacher import Teacher
@@ -122,20 +122,19 @@ def train_on(parts: OPDParts, state: TrainState, batch: RolloutBatch, examples: 
              ) -> tuple[TrainState, dict[str, float]]:
     """Score `batch` with the teacher (and the task, for rewards), then one learner step at the sampling
     temperature. Returns the new state and the learner's metrics plus `time/score`, `time/train`, `completion_len`."""
-    t0 = time.time()
-    needs = parts.learner.needs
-    reward_B = None
-    if "reward" in needs:
-        if parts.task is None:
-            raise ValueError(f"train_on: the loss {parts.learner.loss_name!r} needs rewards: give OPDParts a task")
-        reward_B = rewards(parts.task, parts.tokenizer, examples, batch)
-    lb = learner_batch(batch, needs=needs, teacher=parts.teacher, teacher_top_k=parts.teacher_top_k,
-                       reward_B=reward_B)
-    t1 = time.time()
-    state, m = parts.learner.train_step(state, lb, temperature=learner_temperature(parts.sampling))
-    t2 = time.time()
-    m.update({"time/score": t1 - t0, "time/train": t2 - t1,
-              "completion_len": float(batch.completion_mask_BT.sum(1).mean())})
+    phases = Phases()
+    with phases.time("score"):
+        needs = parts.learner.needs
+        reward_B = None
+        if "reward" in needs:
+            if parts.task is None:
+                raise ValueError(f"train_on: the loss {parts.learner.loss_name!r} needs rewards: give OPDParts a task")
+            reward_B = rewards(parts.task, parts.tokenizer, examples, batch)
+        lb = learner_batch(batch, needs=needs, teacher=parts.teacher, teacher_top_k=parts.teacher_top_k,
+                           reward_B=reward_B)
+    with phases.time("train"):
+        state, m = parts.learner.train_step(state, lb, temperature=learner_temperature(parts.sampling))
+    m.update({**phases.seconds, "completion_len": float(batch.completion_mask_BT.sum(1).mean())})
     return state, m
 
 
@@ -154,12 +153,12 @@ def opd_step(parts: OPDParts, state: TrainState, examples: Sequence[Example], *,
              ) -> tuple[TrainState, dict[str, float]]:
     """One synchronous OPD step: generate with the served weights, score, train, publish the new weights as version
     `state.step` (= optimizer steps taken). Returns the new state and its metrics (`time/*` included)."""
-    t0 = time.time()
-    batch = generate(parts.engine, parts.tokenizer, examples, parts.sampling, seed=seed,
-                     samples_per_prompt=parts.samples_per_prompt)
-    t1 = time.time()
+    phases = Phases()
+    with phases.time("generate"):
+        batch = generate(parts.engine, parts.tokenizer, examples, parts.sampling, seed=seed,
+                         samples_per_prompt=parts.samples_per_prompt)
     state, m = train_on(parts, state, batch, examples)
-    t2 = time.time()
-    publish(parts, state.params, int(state.step))
-    m.update({"time/generate": t1 - t0, "time/publish": time.time() - t2})
+    with phases.time("publish"):
+        publish(parts, state.params, int(state.step))
+    m.update(phases.seconds)
     return state, m

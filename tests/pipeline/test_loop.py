@@ -10,6 +10,7 @@ from opdjax.learner import latest_step
 from opdjax.models import load_state
 from opdjax.models.tiny import make_tiny
 from opdjax.pipeline import loop as pipeline
+from opdjax.pipeline import rollouts
 from opdjax.teacher import VocabMismatchError
 
 
@@ -117,20 +118,20 @@ def test_async_drops_stale_rollouts_and_counts_them(pair, tmp_path):
 def test_a_failing_async_rollout_worker_stops_the_run_with_its_error_and_the_run_resumes(pair, tmp_path, monkeypatch):
     """Issue 29 audit: async beyond the drop cut-off — a rollout worker that fails surfaces its error on the learner
     thread (not a hang), and the async run resumes from its checkpoint, logging each step once."""
-    real, calls = pipeline.generate, []
+    real, calls = rollouts.generate, []
 
     def flaky(engine, tokenizer, examples, sampling, *, seed, samples_per_prompt=1):
         calls.append(seed)
         if len(calls) == 5:
             raise OSError("rollout engine lost its device")
         return real(engine, tokenizer, examples, sampling, seed=seed, samples_per_prompt=samples_per_prompt)
-    monkeypatch.setattr(pipeline, "generate", flaky)
+    monkeypatch.setattr(rollouts, "generate", flaky)
     cfg = _cfg(pair, tmp_path, "pipeline.mode=async", "pipeline.max_staleness=1", "pipeline.queue_size=1",
                "pipeline.steps=6", "pipeline.checkpoint_every=1", "pipeline.eval_every=0")
     with pytest.raises(RuntimeError, match="rollout worker failed") as info:
         pipeline.train(cfg, log=lambda s: None)
     assert isinstance(info.value.__cause__, OSError)
-    monkeypatch.setattr(pipeline, "generate", real)
+    monkeypatch.setattr(rollouts, "generate", real)
     done = [x["step"] for x in _lines(tmp_path) if "loss" in x]
     assert 1 <= len(done) < 6
     summary = pipeline.train(_cfg(pair, tmp_path, "pipeline.mode=async", "pipeline.max_staleness=1",
