@@ -70,7 +70,7 @@ def resolve_models(cfg: TrainConfig, log=print) -> tuple[str, str]:
         if cfg.task.name == "jsonl":
             raise ConfigError("student/teacher 'builtin' are trained on a built-in task; with prompts=FILE.jsonl "
                               "pass student=DIR and teacher=DIR")
-        meta = prepare_builtin(cfg.task, cfg.prepare, log=log)
+        meta = prepare_builtin(cfg, log=log)
         student_path = meta["student"] if student_path == "builtin" else student_path
         teacher_path = meta["teacher"] if teacher_path == "builtin" else teacher_path
     _check_dirs(student_path, teacher_path)

@@ -174,18 +174,18 @@ def _resume(run: Run, state, stream: PromptStream, log) -> tuple[Any, _Progress]
 def _open_source(run: Run, stream: PromptStream, first_step: int) -> RolloutSource:
     """The run's rollouts: sampled on demand (pipeline.mode=sync) or ahead by a worker (async: pipeline.queue_size
     rollouts ahead, those more than pipeline.max_staleness versions old dropped)."""
-    pc, each = run.cfg.pipeline, dict(batch_size=run.cfg.rollout.batch_size, run_seed=run.cfg.seed)
-    if pc.mode == "async":
-        return AheadSource(run.parts, stream, first_step=first_step, queue_size=pc.queue_size,
-                           max_staleness=pc.max_staleness, **each)
+    pipeline, each = run.cfg.pipeline, dict(batch_size=run.cfg.rollout.batch_size, run_seed=run.cfg.seed)
+    if pipeline.mode == "async":
+        return AheadSource(run.parts, stream, first_step=first_step, queue_size=pipeline.queue_size,
+                           max_staleness=pipeline.max_staleness, **each)
     return RolloutSource(run.parts, stream, **each)
 
 
 def _progress_bar(run: Run, initial: int) -> contextlib.AbstractContextManager:
     """The step bar (pipeline.progress, process 0 only; otherwise a context holding None)."""
-    pc = run.cfg.pipeline
-    if pc.progress and jax.process_index() == 0:
-        return tqdm(total=pc.steps, initial=initial, desc="opd", dynamic_ncols=True)
+    pipeline = run.cfg.pipeline
+    if pipeline.progress and jax.process_index() == 0:
+        return tqdm(total=pipeline.steps, initial=initial, desc="opd", dynamic_ncols=True)
     return contextlib.nullcontext()
 
 
@@ -208,13 +208,13 @@ class _Loop:
 
     def train(self) -> dict[str, Any]:
         """Initial evaluation, the steps, the final checkpoint and export; returns the summary."""
-        pc = self.run.cfg.pipeline
-        with MetricsLogger(self.run.out_dir, pc.tensorboard, resume=pc.resume and self.prog.step > 0) as self.logger:
+        pipeline = self.run.cfg.pipeline
+        with MetricsLogger(self.run.out_dir, pipeline.tensorboard, resume=pipeline.resume and self.prog.step > 0) as self.logger:
             self.evaluate_start()
             t_start = time.time()
             with _open_source(self.run, self.stream, self.prog.step) as self.source, \
                     _progress_bar(self.run, self.prog.step) as self.bar:
-                while self.prog.step < pc.steps:
+                while self.prog.step < pipeline.steps:
                     self.step()
         if self.prog.saved != self.prog.step:
             self.checkpoint()
@@ -238,7 +238,7 @@ class _Loop:
     def step(self) -> None:
         """One step: the next rollout (one too stale is counted and skipped) -> `train_on` -> `publish`; then the
         due evaluation, the metrics, the zero-gradient watch, the bar and the due checkpoint."""
-        pc, prog, phases = self.run.cfg.pipeline, self.prog, Phases()
+        pipeline, prog, phases = self.run.cfg.pipeline, self.prog, Phases()
         with phases.time("wait"):
             item = self.source.next(prog.step)
         if item.dropped:
@@ -246,13 +246,13 @@ class _Loop:
             prog.position = item.stream_end
             return
         m = self._train_on(item, phases)
-        if pc.eval_every and prog.step % pc.eval_every == 0 or prog.step == pc.steps:
+        if pipeline.eval_every and prog.step % pipeline.eval_every == 0 or prog.step == pipeline.steps:
             prog.last_eval = self.evaluate(self.state.params, prog.step)
             m.update(prog.last_eval)
         self.logger.log(prog.step, m)
         self.zero_grad.update(prog.step, float(m.get("grad_norm", 1.0)))
         self._show(m)
-        if pc.checkpoint_every and prog.step % pc.checkpoint_every == 0 and prog.step < pc.steps:
+        if pipeline.checkpoint_every and prog.step % pipeline.checkpoint_every == 0 and prog.step < pipeline.steps:
             self.checkpoint()
 
     def _train_on(self, item: Rollout, phases: Phases) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
+from opdjax.config import TrainConfig
 from opdjax.core.types import Batch
 from opdjax.data import tasks
 from opdjax.data.prompts import PromptStream, sft_batch
@@ -67,70 +68,74 @@ def _key(**parts) -> str:
     return hashlib.sha256(json.dumps({"format": _FORMAT, **parts}, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def prepare_builtin(task_cfg, prep, log=print) -> dict:
+def prepare_builtin(cfg: TrainConfig, log=print) -> dict:
     """Teacher and student directories for the task (each built once, then reused); returns paths and accuracy.
 
-    The teacher is keyed by the task and the teacher fields of `prep`; the student additionally by its own fields,
+    The teacher is keyed by `cfg.task` and the teacher fields of `cfg.prepare`; the student additionally by its own
+    fields,
     so changing only the student reuses the teacher (and its tokenizer, which the student shares).
     """
-    teacher_dir, student_dir = _model_dirs(task_cfg, prep)
-    task_obj = tasks.get_task(task_cfg.name, **task_cfg.options)
-    heldout = task_obj.examples(256, prep.seed, "heldout")
-    builds = (("teacher", teacher_dir, functools.partial(_build_teacher, task_obj, prep, log=log)),
-              ("student", student_dir, functools.partial(_build_student, teacher_dir, task_obj, prep, log=log)))
-    accs = {role: _prepared(role, path, build, task_cfg, prep, heldout, log) for role, path, build in builds}
+    teacher_dir, student_dir = _model_dirs(cfg)
+    task = tasks.get_task(cfg.task.name, **cfg.task.options)
+    heldout = task.examples(256, cfg.prepare.seed, "heldout")
+    builds = (("teacher", teacher_dir, functools.partial(_build_teacher, cfg, task, log=log)),
+              ("student", student_dir, functools.partial(_build_student, cfg, teacher_dir, task, log=log)))
+    accs = {role: _prepared(cfg, role, path, build, heldout, log) for role, path, build in builds}
     return {"teacher": str(teacher_dir), "student": str(student_dir), "teacher_acc": accs["teacher"],
             "student_acc": accs["student"]}
 
 
-def _model_dirs(task_cfg, prep) -> tuple[pathlib.Path, pathlib.Path]:
-    """(teacher_dir, student_dir) under `<cache_dir>/<task>/`, each named by a hash of what determines it."""
-    p = dataclasses.asdict(prep)
-    task = dataclasses.asdict(task_cfg)
+def _model_dirs(cfg: TrainConfig) -> tuple[pathlib.Path, pathlib.Path]:
+    """(teacher_dir, student_dir) under `<prepare.cache_dir>/<task>/`, each named by a hash of what determines it."""
+    p = dataclasses.asdict(cfg.prepare)
+    task = dataclasses.asdict(cfg.task)
     t_fields = {k: p[k] for k in ("family", "teacher_size", "teacher_steps", "batch_size", "lr", "seed",
                                   "student_task")}  # the shared tokenizer is trained on both tasks' text
     s_fields = {k: p[k] for k in ("student_init", "student_task", "student_size", "student_steps", "student_lr")}
-    root = pathlib.Path(prep.cache_dir) / task_cfg.name
+    root = pathlib.Path(cfg.prepare.cache_dir) / cfg.task.name
     return (root / f"teacher-{_key(task=task, teacher=t_fields)}",
             root / f"student-{_key(task=task, teacher=t_fields, student=s_fields)}")
 
 
-def _build_teacher(task_obj, prep, tmp: pathlib.Path, *, log=print) -> None:
+def _build_teacher(cfg: TrainConfig, task, tmp: pathlib.Path, *, log=print) -> None:
     """A fresh teacher in `tmp`: a tokenizer trained on both tasks' text, then `teacher_steps` of SFT on the task."""
-    tok = train_tokenizer(tasks.corpus(task_obj, 2000, prep.seed) +
-                          tasks.corpus(prep.student_task, 500, prep.seed), vocab_size=300)
-    make_tiny(tmp, prep.family, prep.teacher_size, seed=prep.seed, tokenizer=tok)
-    sft_train(tmp, tok, task_obj, prep.teacher_steps, batch_size=prep.batch_size, lr=prep.lr, seed=prep.seed,
+    prepare = cfg.prepare
+    tok = train_tokenizer(tasks.corpus(task, 2000, prepare.seed) +
+                          tasks.corpus(prepare.student_task, 500, prepare.seed), vocab_size=300)
+    make_tiny(tmp, prepare.family, prepare.teacher_size, seed=prepare.seed, tokenizer=tok)
+    sft_train(tmp, tok, task, prepare.teacher_steps, batch_size=prepare.batch_size, lr=prepare.lr, seed=prepare.seed,
               log=log)
 
 
-def _build_student(teacher_dir: pathlib.Path, task_obj, prep, tmp: pathlib.Path, *, log=print) -> None:
+def _build_student(cfg: TrainConfig, teacher_dir: pathlib.Path, task, tmp: pathlib.Path, *, log=print) -> None:
     """A student in `tmp` with the teacher's tokenizer: the teacher fine-tuned on `student_task`
     (student_init="teacher"), else a fresh model of `student_size` trained on the task."""
+    prepare = cfg.prepare
     tok = load_tokenizer(teacher_dir)
-    if prep.student_init == "teacher":
+    if prepare.student_init == "teacher":
         shutil.copytree(teacher_dir, tmp)
         (tmp / _DONE).unlink()
-        other = tasks.get_task(prep.student_task)
-        sft_train(tmp, tok, other, prep.student_steps, batch_size=prep.batch_size, lr=prep.student_lr,
-                  seed=prep.seed + 1, log=log)
+        other = tasks.get_task(prepare.student_task)
+        sft_train(tmp, tok, other, prepare.student_steps, batch_size=prepare.batch_size, lr=prepare.student_lr,
+                  seed=prepare.seed + 1, log=log)
     else:
-        make_tiny(tmp, prep.family, prep.student_size, seed=prep.seed + 1, tokenizer=tok)
-        sft_train(tmp, tok, task_obj, prep.student_steps, batch_size=prep.batch_size, lr=prep.student_lr,
-                  seed=prep.seed + 1, log=log)
+        make_tiny(tmp, prepare.family, prepare.student_size, seed=prepare.seed + 1, tokenizer=tok)
+        sft_train(tmp, tok, task, prepare.student_steps, batch_size=prepare.batch_size, lr=prepare.student_lr,
+                  seed=prepare.seed + 1, log=log)
 
 
-def _prepared(role: str, path: pathlib.Path, build, task_cfg, prep, heldout, log) -> float:
+def _prepared(cfg: TrainConfig, role: str, path: pathlib.Path, build, heldout, log) -> float:
     """The held-out accuracy of the model at `path`, from its marker file when prepared earlier; otherwise
     `build(tmp)` into `<path>.partial`, measure it, write the marker and rename it to `path` (so a model is either
     complete or absent: an interrupted preparation is redone, never half-used)."""
+    prepare = cfg.prepare
     if (path / _DONE).is_file():
         acc = json.loads((path / _DONE).read_text())["heldout_accuracy"]
-        log(f"reusing the prepared {role} {path} (held-out accuracy on {task_cfg.name!r}: {acc:.2f})")
+        log(f"reusing the prepared {role} {path} (held-out accuracy on {cfg.task.name!r}: {acc:.2f})")
         return acc
-    how = (f"{prep.teacher_steps} supervised steps on {task_cfg.name!r}" if role == "teacher" else
-           f"the teacher fine-tuned {prep.student_steps} steps on {prep.student_task!r}"
-           if prep.student_init == "teacher" else f"{prep.student_steps} supervised steps on {task_cfg.name!r}")
+    how = (f"{prepare.teacher_steps} supervised steps on {cfg.task.name!r}" if role == "teacher" else
+           f"the teacher fine-tuned {prepare.student_steps} steps on {prepare.student_task!r}"
+           if prepare.student_init == "teacher" else f"{prepare.student_steps} supervised steps on {cfg.task.name!r}")
     log(f"preparing the {role} ({how}) in {path}")
     tmp = path.with_name(path.name + ".partial")
     if tmp.exists():
@@ -139,12 +144,12 @@ def _prepared(role: str, path: pathlib.Path, build, task_cfg, prep, heldout, log
     build(tmp)
     graphdef, params = hf.load_state(tmp)
     acc = teacher_forced_accuracy(graphdef, params, sft_batch(load_tokenizer(tmp), heldout))
-    (tmp / _DONE).write_text(json.dumps({"heldout_accuracy": acc, "role": role, "task": dataclasses.asdict(task_cfg),
-                                         "prepare": dataclasses.asdict(prep)}, indent=2))
+    (tmp / _DONE).write_text(json.dumps({"heldout_accuracy": acc, "role": role, "task": dataclasses.asdict(cfg.task),
+                                         "prepare": dataclasses.asdict(cfg.prepare)}, indent=2))
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)
-    log(f"prepared the {role}: held-out greedy accuracy on {task_cfg.name!r} {acc:.2f}")
+    log(f"prepared the {role}: held-out greedy accuracy on {cfg.task.name!r} {acc:.2f}")
     return acc
 
 
