@@ -6,6 +6,8 @@
 returned logprobs) for the same tokens; `mask_BT`: the response tokens. Here both come from two slightly different
 random "models" so the script runs anywhere.
 """
+import sys
+
 import numpy as np
 
 import opdjax
@@ -32,4 +34,6 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        sys.exit("usage: python examples/mismatch_metrics.py   (no arguments)")
     main()

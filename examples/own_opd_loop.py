@@ -43,4 +43,6 @@ def main(student: str, teacher: str, steps: int = 20, seed: int = 0, task=None, 
 
 
 if __name__ == "__main__":
+    if not 3 <= len(sys.argv) <= 4 or not all(a.isdigit() for a in sys.argv[3:]):
+        sys.exit("usage: python examples/own_opd_loop.py STUDENT_DIR TEACHER_DIR [STEPS]   (HF dirs, one tokenizer)")
     main(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:4]))

@@ -36,4 +36,6 @@ def main(model_dir: str | None = None, recipe: str = "fp8_w8a8") -> dict:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2 or sys.argv[1:2] in (["-h"], ["--help"]):
+        sys.exit("usage: python examples/quantize_weights.py [HF_MODEL_DIR]   (default: a random tiny Qwen3 made here)")
     main(*sys.argv[1:2])

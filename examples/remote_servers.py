@@ -66,4 +66,6 @@ def main(student: str, teacher: str, steps: int = 2) -> list[dict]:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python examples/remote_servers.py STUDENT_DIR TEACHER_DIR   (HF dirs sharing one tokenizer)")
     main(sys.argv[1], sys.argv[2])

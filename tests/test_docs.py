@@ -1,8 +1,9 @@
-"""The documentation site builds with warnings as errors; the guides and the README name only commands and flags
-that exist.
+"""The documentation site builds with warnings as errors; the README, the guides and the results pages name only
+commands and flags that exist and links that resolve; the README stays a front door (short, no lab notebook); every
+results page states its command, machine and seeds; every example prints its usage line when arguments are missing.
 
-`make docs` builds the same site (mkdocs.yml, docs/guide/) into site/. mkdocs and mkdocstrings are test extras: a
-missing one is a failure, never a skip.
+`make docs` builds the same site (mkdocs.yml, docs/) into site/. mkdocs and mkdocstrings are test extras: a missing
+one is a failure, never a skip.
 """
 
 import argparse
@@ -16,6 +17,13 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "guide"
+RESULTS = ROOT / "docs" / "results"
+README = ROOT / "README.md"
+README_MAX_LINES = 250
+# History has no place in user-facing docs: issue numbers, first person, commit hashes, "before this change".
+LAB_NOTEBOOK = re.compile(r"issue [0-9]|\bI (added|started|ran)\b|commit [0-9a-f]{7}"
+                          r"|before this change|previous levers", re.I)
+# Written by the config key reference generator from the config's field metadata, not by hand.
 
 
 def _require_mkdocs() -> None:
@@ -41,12 +49,16 @@ def site(tmp_path_factory):
 
 @pytest.mark.timeout(300)
 def test_site_builds_strict_with_the_api_reference(site):
-    core = (site / "api" / "core" / "index.html").read_text()
+    core = (site / "guide" / "api" / "core" / "index.html").read_text()
     assert 'id="opdjax.core.mismatch.metrics"' in core, "the opdjax.core page lacks mismatch.metrics"
     assert "k3" in core and "METRIC_KEYS" in core
     for page in ("cpu-study", "mixed-tpu-gpu", "library"):
-        assert (site / page / "index.html").is_file(), f"guide {page} was not built"
-    assert "opd_step" in (site / "api" / "pipeline" / "index.html").read_text()
+        assert (site / "guide" / page / "index.html").is_file(), f"guide {page} was not built"
+    for page in RESULTS.glob("*.md"):
+        built = site / "results" / ("" if page.stem == "index" else page.stem) / "index.html"
+        assert built.is_file(), f"results page {page.name} was not built"
+    assert (site / "results" / "budget_sort_cpu" / "budget.json").is_file(), "the study data is not in the site"
+    assert "opd_step" in (site / "guide" / "api" / "pipeline" / "index.html").read_text()
 
 
 def test_every_subpackage_has_an_api_page():
@@ -95,13 +107,84 @@ def _commands(markdown: str):
                 yield m.group(1), set(re.findall(r"(?<![\w=])(--[a-z][a-z-]*)", m.group(2)))
 
 
+def _inline_commands(markdown: str):
+    """(command, flags) of every inline `opdjax CMD ...` code span (results pages name their commands inline)."""
+    for span in re.findall(r"`(opdjax [^`]+)`", markdown):
+        m = re.match(r"opdjax (?:--debug )?([a-z][a-z-]*)\b(.*)", span)
+        if m and not m.group(1).endswith("-"):
+            yield m.group(1), set(re.findall(r"(?<![\w=])(--[a-z][a-z-]*)", m.group(2)))
+
+
+def _doc_pages() -> list[pathlib.Path]:
+    return [*GUIDE.glob("*.md"), *RESULTS.glob("*.md"), ROOT / "docs" / "index.md", README]
+
+
 def test_guides_name_only_existing_commands_and_flags():
     options = _cli_options()
     seen = 0
-    for page in [*GUIDE.glob("*.md"), ROOT / "README.md"]:
-        for command, flags in _commands(page.read_text()):
+    for page in _doc_pages():
+        text = page.read_text()
+        for command, flags in [*_commands(text), *_inline_commands(text)]:
             seen += 1
             assert command in options, f"{page.name}: `opdjax {command}` is not a command ({sorted(options)})"
             unknown = flags - options[command]
             assert not unknown, f"{page.name}: `opdjax {command}` has no option {sorted(unknown)}"
-    assert seen >= 40
+    assert seen >= 60
+
+
+def _links(markdown: str):
+    """Relative link targets of a Markdown page, without their #anchor."""
+    for target in re.findall(r"\]\(([^)\s]+)\)", markdown):
+        if not re.match(r"[a-z]+:|#", target):
+            yield target.split("#")[0]
+
+
+def test_readme_is_a_short_front_door_linking_every_results_page():
+    text = README.read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES, f"README.md has {len(text.splitlines())} lines"
+    assert text.index("make demo") < text.index("make test") < 400, "the two commands come first"
+    assert "configs/budget_sort_cpu.yaml" in text and "configs/budget_cpu.yaml" not in text, \
+        "the README's study runs the instrument that measures"
+    for name in ("docs/results/budget-sort-cpu.md", "docs/results/admission-validity-sort-cpu.md",
+                 "docs/results/phenomena-sort-cpu.md", "docs/results/index.md"):
+        assert f"({name})" in text, f"README.md does not link {name}"
+
+
+def test_every_relative_link_in_the_readme_and_the_docs_resolves():
+    for page in _doc_pages():
+        for target in _links(page.read_text()):
+            path = (page.parent / target).resolve()
+            assert path.exists(), f"{page.relative_to(ROOT)} links {target}, which does not exist"
+
+
+def test_user_facing_docs_hold_no_history():
+    pages = [README, ROOT / "docs" / "index.md", *GUIDE.rglob("*.md"), *RESULTS.rglob("*.md")]
+    for page in pages:
+        for i, line in enumerate(page.read_text().splitlines(), 1):
+            assert not LAB_NOTEBOOK.search(line), f"{page.relative_to(ROOT)}:{i}: {line.strip()}"
+
+
+def test_every_results_page_states_its_command_machine_and_seeds():
+    pages = [p for p in RESULTS.glob("*.md") if p.stem != "index"]
+    assert len(pages) >= 10
+    index = (RESULTS / "index.md").read_text()
+    for page in pages:
+        text = page.read_text()
+        for field in ("**Command:**", "**Machine:**", "**Seeds:**"):
+            assert field in text, f"{page.name} does not state {field.strip('*:').lower()}"
+        assert f"({page.name})" in index, f"docs/results/index.md does not list {page.name}"
+
+
+@pytest.mark.slow  # a fresh interpreter per example (imports JAX)
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+def test_examples_print_their_usage_line_on_wrong_arguments(example):
+    # Without its arguments (or with one too many) an example says how to call it: no traceback.
+    argv = ["a", "b", "3", "extra"]
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / example), *argv], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"usage: python examples/{example}" in r.stderr
+    if example in ("own_opd_loop.py", "remote_servers.py"):  # required arguments: none given
+        r = subprocess.run([sys.executable, str(ROOT / "examples" / example)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode != 0 and "Traceback" not in r.stderr and "usage: python examples/" in r.stderr

@@ -1,5 +1,9 @@
-"""`opdjax` command line: train | serve | measure | study | admit | sensitivity | recipe-search | capacity | make-tiny |
-convert (one module per command under `opdjax.cli`)."""
+"""opdjax: on-policy distillation under training-inference mismatch. train runs OPD (the embedded CPU default, or
+your HF student and teacher); serve puts a rollout engine or a teacher behind HTTP for learners on other hosts;
+measure reports the mismatch of one engine configuration; study calibrates the mismatch budget B of a
+student/teacher pair; admit screens rollout configurations against B in seconds; sensitivity, recipe-search and
+capacity pick an FP8 recipe that fits B and show the KV-cache tokens it buys; make-tiny and convert write HF
+checkpoints. `opdjax COMMAND --help` lists a command's options."""
 
 from __future__ import annotations
 

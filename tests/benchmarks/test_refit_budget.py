@@ -9,7 +9,7 @@ import pytest
 from tests.benchmarks.conftest import load_benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-STUDY = ROOT / "docs" / "budget_sort_cpu_40steps" / "budget.json"
+STUDY = ROOT / "docs" / "results" / "budget_sort_cpu_40steps" / "budget.json"
 
 
 @pytest.fixture(scope="module")

@@ -273,7 +273,7 @@ def test_knee_candidates_sit_below_inside_and_above_the_bracket_and_never_on_a_s
     assert study_mod.knee_candidates(pts(searched), 0.0017) == [0.005, 0.0141, 0.03]
     # B at sigma 0.02: 0.01 = 0.02 / 2 was searched (nudged down to 0.009); sqrt(0.02 * 0.0283) = 0.0238 was not
     assert study_mod.knee_candidates(pts(searched), 0.0085) == [0.009, 0.0238, 0.0425]
-    # the shipped built-in pair's search (docs/budget_cpu): bracket [sigma 0.0025, 0.00354] after 0.005 was tried
+    # the shipped built-in pair's search (docs/results/budget_cpu): bracket [sigma 0.0025, 0.00354] after 0.005 was tried
     bisected = [(0.01, 2.7e-3), (0.0025, 1.6e-4), (0.005, 6.6e-4), (0.00354, 3.2e-4)]
     assert study_mod.knee_candidates(pts(bisected), 1.6e-4) == [0.00125, 0.00297, 0.00531]
     # M not monotone in sigma (one noise draw per seed): a searched level can sit at the geometric mean
@@ -281,10 +281,10 @@ def test_knee_candidates_sit_below_inside_and_above_the_bracket_and_never_on_a_s
     assert study_mod.knee_candidates(pts(odd), 1e-3) == [0.018, 0.021, 0.015]  # 0.04/2 and sqrt(0.04*0.01) nudged
     assert study_mod.knee_candidates(pts(searched), 0.05) == []  # nothing beyond B: no bracket, no candidates
     assert study_mod.knee_candidates(pts(searched), 1e-3) == []  # nothing within B
-    # docs/budget_sort_cpu_llama: B 1.42, 1.5 sigma_b = 1.5 probes 3.6 < 3 B; sigma 2.0 (M 8.64) is the first >= 3 B
+    # docs/results/budget_sort_cpu_llama: B 1.42, 1.5 sigma_b = 1.5 probes 3.6 < 3 B; sigma 2.0 (M 8.64) is the first >= 3 B
     llama = [(0.5, 0.74), (1.0, 2.02), (2.0, 8.64), (3.0, 15.0)]
     assert study_mod.knee_candidates(pts(llama), 1.42) == [0.25, 0.707, 1.5, 2.2]
-    # docs/budget_sort_cpu (qwen3): M saturates near 16 < 3 B = 22.7, so no level reaches 3 B: no fourth candidate
+    # docs/results/budget_sort_cpu (qwen3): M saturates near 16 < 3 B = 22.7, so no level reaches 3 B: no fourth candidate
     qwen3 = [(0.5, 1.78), (1.0, 5.97), (2.0, 12.4), (3.0, 15.4)]
     assert study_mod.knee_candidates(pts(qwen3), 7.57) == [0.45, 1.41, 3.3]
 
