@@ -82,7 +82,7 @@ LOSSES: dict[str, LossFn] = {}
 DEFAULT_LOSS = "forward_kl_topk"
 """The loss `Learner` and `opdjax train` (`LossConfig.name`) use when none is named: the forward KL to the teacher's
 top-k at every sampled prefix. It trained every seed of the built-in task tried, where the sampled-token reverse KL
-(`reverse_kl_sampled`) stalls on a plateau for some (issue 28)."""
+(`reverse_kl_sampled`) stalls on a plateau for some (docs/results/budget-cpu.md)."""
 """name -> loss function (validated wrapper); each carries ``.needs`` (frozenset) and ``.loss_name``."""
 
 
