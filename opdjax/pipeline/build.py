@@ -29,9 +29,8 @@ from opdjax.sync import Link, Publisher, engine_publisher
 from opdjax.teacher import JaxTeacher, Teacher, check_same_vocab
 from opdjax.teacher.vllm_teacher import VllmTeacher
 
-__all__ = ["Inputs", "Run", "build", "check_inputs", "make_engine", "make_evaluator", "make_learner", "make_publisher", "make_teacher",
-           "resolve_models",
-           "sampling_params"]
+__all__ = ["Inputs", "Run", "build", "check_inputs", "make_engine", "make_evaluator", "make_learner", "make_publisher",
+           "make_teacher", "resolve_models", "sampling_params"]
 
 
 @dataclasses.dataclass

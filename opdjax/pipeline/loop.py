@@ -209,7 +209,8 @@ class _Loop:
     def train(self) -> dict[str, Any]:
         """Initial evaluation, the steps, the final checkpoint and export; returns the summary."""
         pipeline = self.run.cfg.pipeline
-        with MetricsLogger(self.run.out_dir, pipeline.tensorboard, resume=pipeline.resume and self.prog.step > 0) as self.logger:
+        resumed = pipeline.resume and self.prog.step > 0
+        with MetricsLogger(self.run.out_dir, pipeline.tensorboard, resume=resumed) as self.logger:
             self.evaluate_start()
             t_start = time.time()
             with _open_source(self.run, self.stream, self.prog.step) as self.source, \
