@@ -3,7 +3,8 @@ your HF student and teacher); serve puts a rollout engine or a teacher behind HT
 measure reports the mismatch of one engine configuration; study calibrates the mismatch budget B of a
 student/teacher pair; admit screens rollout configurations against B in seconds; sensitivity, recipe-search and
 capacity pick an FP8 recipe that fits B and show the KV-cache tokens it buys; make-tiny and convert write HF
-checkpoints. `opdjax COMMAND --help` lists a command's options."""
+checkpoints; keys lists every config key with its default, choices and help. `opdjax COMMAND --help` lists a
+command's options."""
 
 from __future__ import annotations
 
