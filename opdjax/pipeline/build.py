@@ -156,9 +156,9 @@ def check_inputs(cfg: TrainConfig) -> Inputs:
     _check_dirs(cfg.student.path, cfg.teacher.path)
     for path in {cfg.student.path, cfg.teacher.path} - {"builtin"}:
         ModelConfig.from_dir(path)  # a missing config.json or an unsupported model_type, named now
-    student = cfg.student.path
-    positions = (tiny_config(cfg.prepare.family, cfg.prepare.student_size) if student == "builtin"
-                 else ModelConfig.from_dir(student)).max_position_embeddings
+    student_path = cfg.student.path
+    positions = (tiny_config(cfg.prepare.family, cfg.prepare.student_size) if student_path == "builtin"
+                 else ModelConfig.from_dir(student_path)).max_position_embeddings
     check_lengths(cfg, None, None, positions)
     return Inputs(mesh=mesh, task=task)
 
