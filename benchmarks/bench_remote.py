@@ -21,7 +21,7 @@ import tempfile
 
 from opdjax.config import TrainConfig, load
 from opdjax.pipeline import loop
-from opdjax.pipeline.build import resolve_models
+from opdjax.pipeline.inputs import resolve_models
 
 PHASES = ("time/generate", "time/score", "time/train", "time/publish")
 

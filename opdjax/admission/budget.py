@@ -18,7 +18,7 @@ import jaxlib
 from opdjax.config import to_dict
 from opdjax.core import mismatch
 from opdjax.core.errors import InputError
-from opdjax.pipeline.build import resolve_models
+from opdjax.pipeline.inputs import resolve_models
 
 __all__ = ["AdmissionError", "Budget", "load_budget", "setup_fingerprint", "calibration_warning"]
 

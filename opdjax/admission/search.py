@@ -32,7 +32,7 @@ from opdjax.admission.admit import ProbeFn, verdict
 from opdjax.admission.budget import AdmissionError, Budget
 from opdjax.core import layout
 from opdjax.models import ModelConfig
-from opdjax.pipeline.build import resolve_models
+from opdjax.pipeline.inputs import resolve_models
 from opdjax.pipeline.rundir import write_text
 from opdjax.rollout.vllm_settings import VllmSettingsError
 from opdjax.rollout.vllm_settings import vllm_settings as _vllm_settings

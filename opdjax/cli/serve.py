@@ -34,7 +34,8 @@ from opdjax.core.errors import InputError
 from opdjax.models import ModelConfig, hf
 from opdjax.models.sharding import make_mesh
 from opdjax.models.tiny import load_tokenizer
-from opdjax.pipeline.build import make_engine, make_teacher, resolve_models
+from opdjax.pipeline.components import make_engine, make_teacher
+from opdjax.pipeline.inputs import resolve_models
 from opdjax.remote.client import read_token
 from opdjax.remote.protocol import ServerLimits
 from opdjax.remote.server import EngineServer

@@ -28,8 +28,9 @@ from opdjax.learner import latest_step, restore_checkpoint, save_checkpoint
 from opdjax.learner.distributed import agree, barrier, gathered
 from opdjax.models import hf
 from opdjax.pipeline import rundir
-from opdjax.pipeline.build import Run, build, check_inputs, make_evaluator
+from opdjax.pipeline.build import Run, build, make_evaluator
 from opdjax.pipeline.evaluate import Evaluator
+from opdjax.pipeline.inputs import check_inputs
 from opdjax.pipeline.logger import MetricsLogger
 from opdjax.pipeline.opd import publish, train_on
 from opdjax.pipeline.phases import Phases

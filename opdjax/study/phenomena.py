@@ -16,7 +16,8 @@ from opdjax.data import tasks
 from opdjax.data.prompts import encode_prompts
 from opdjax.models import ModelConfig, hf
 from opdjax.models.tiny import load_tokenizer
-from opdjax.pipeline.build import resolve_models, sampling_params
+from opdjax.pipeline.components import sampling_params
+from opdjax.pipeline.inputs import resolve_models
 from opdjax.pipeline.opd import completion_texts
 from opdjax.rollout import EngineMismatch, JaxEngine
 from opdjax.study import dose

@@ -1,0 +1,90 @@
+"""What a run's config names, checked and resolved before anything is built: the mesh against this machine, the
+task and its options, the model directories (the built-in pair prepared once, then cached), the lengths.
+
+`check_inputs` needs no model loaded: `opdjax train` runs it before it claims its run directory, so bad input is
+named before the consequences of running with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+from jax.sharding import Mesh
+
+from opdjax.config import ConfigError, TrainConfig
+from opdjax.data import tasks
+from opdjax.models import ModelConfig
+from opdjax.models.sharding import make_mesh
+from opdjax.models.tiny import tiny_config
+from opdjax.pipeline.prepare import prepare_builtin
+
+__all__ = ["Inputs", "check_inputs", "check_lengths", "resolve_models"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What `check_inputs` found valid before anything is built: the learner's mesh and the task."""
+
+    mesh: Mesh
+    task: tasks.Task
+
+
+def check_inputs(cfg: TrainConfig) -> Inputs:
+    """Everything about the input that can be checked without loading a model, so that bad input is named before
+    the consequences of running with it (a run directory claimed, a built-in pair prepared for minutes): the mesh
+    against this machine's devices, the task and its options, each model directory (config.json present and of a
+    supported family), and the completion length against the student's positions."""
+    mesh = make_mesh(cfg.mesh.shape)
+    try:
+        task = tasks.get_task(cfg.task.name, **cfg.task.options)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"task {cfg.task.name!r} with task.options={dict(cfg.task.options)}: {e}") from None
+    _check_dirs(cfg.student.path, cfg.teacher.path)
+    for path in {cfg.student.path, cfg.teacher.path} - {"builtin"}:
+        ModelConfig.from_dir(path)  # a missing config.json or an unsupported model_type, named now
+    student_path = cfg.student.path
+    positions = (tiny_config(cfg.prepare.family, cfg.prepare.student_size) if student_path == "builtin"
+                 else ModelConfig.from_dir(student_path)).max_position_embeddings
+    check_lengths(cfg, None, None, positions)
+    return Inputs(mesh=mesh, task=task)
+
+
+def check_lengths(cfg: TrainConfig, task, tokenizer, positions: int) -> None:
+    """Prompt + rollout.max_new_tokens must fit the student's positions: checked for max_new_tokens alone, and for
+    every row of a task read from a file (ConfigError naming the file and line of the first row that does not)."""
+    n = cfg.rollout.max_new_tokens
+    if n >= positions:
+        raise ConfigError(f"rollout.max_new_tokens={n} leaves no room for a prompt: the student has {positions} "
+                          f"positions (prompt + completion must fit)")
+    rows = getattr(task, "rows", None)
+    if rows:
+        lens = [len(ids) for ids in tokenizer([ex.prompt for ex in rows], add_special_tokens=False).input_ids]
+        too_long = [(ln, ex) for ln, ex in zip(lens, rows) if ln + n > positions]
+        if too_long:
+            ln, ex = too_long[0]
+            raise ConfigError(f"{getattr(task, 'path', 'prompts')}:{ex.meta.get('line', '?')}: a prompt of {ln} "
+                              f"tokens + rollout.max_new_tokens={n} exceeds the student's {positions} positions "
+                              f"({len(too_long)} row(s) do); shorten them or lower rollout.max_new_tokens")
+
+
+def resolve_models(cfg: TrainConfig, log=print) -> tuple[str, str]:
+    """Student and teacher directories; "builtin" ones are prepared on the task (once, then cached)."""
+    student_path, teacher_path = cfg.student.path, cfg.teacher.path
+    _check_dirs(student_path, teacher_path)  # a mistyped directory is reported before a built-in pair is trained
+    if "builtin" in (student_path, teacher_path):
+        if cfg.task.name == "jsonl":
+            raise ConfigError("student/teacher 'builtin' are trained on a built-in task; with prompts=FILE.jsonl "
+                              "pass student=DIR and teacher=DIR")
+        meta = prepare_builtin(cfg, log=log)
+        student_path = meta["student"] if student_path == "builtin" else student_path
+        teacher_path = meta["teacher"] if teacher_path == "builtin" else teacher_path
+    _check_dirs(student_path, teacher_path)
+    return student_path, teacher_path
+
+
+def _check_dirs(student_path: str, teacher_path: str) -> None:
+    for role, path in (("student", student_path), ("teacher", teacher_path)):
+        if path != "builtin" and not pathlib.Path(path).is_dir():
+            raise ConfigError(f"{role}={path!r}: no such directory (expected a Hugging Face model directory with "
+                              f"config.json and *.safetensors, or 'builtin'); nothing is downloaded")
