@@ -5,7 +5,7 @@ import pathlib
 import pytest
 
 from opdjax.cli.main import main
-from opdjax.config import ConfigError, TrainConfig, dump_yaml, load
+from opdjax.config import ConfigError, TrainConfig, check_expanded_size, dump_yaml, load
 
 
 def test_shipped_yaml_equals_embedded_defaults():
@@ -166,6 +166,18 @@ def test_a_yaml_alias_bomb_under_an_untyped_section_is_refused_in_one_line(capsy
         load(TrainConfig, None, ["rollout.vllm={a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], "
                                  + ", ".join(f"b{i}: &b{i} [{', '.join([f'*b{i - 1}' if i else '*a'] * 10)}]"
                                              for i in range(6)) + "}"])
+
+
+def test_a_long_list_as_written_is_not_called_an_alias_bomb():
+    """Issue 38 row 7: a 10^6-seed study was refused as "an alias bomb?". Only an expansion through aliases (one
+    object reached twice) is one; a long list as written costs what it cost to read and is left to the typed checks
+    (a study's seed bound)."""
+    check_expanded_size({"seeds": list(range(200_000))}, "x")
+    shared = [1] * 10
+    for _ in range(6):
+        shared = [shared] * 10
+    with pytest.raises(ConfigError, match="alias bomb"):
+        check_expanded_size({"a": shared}, "x")
 
 
 def test_bad_config_files_get_one_line_errors(tmp_path):

@@ -133,6 +133,41 @@ def test_load_budget_errors_name_the_problem(tmp_path):
     assert (b.metric, b.budget, b.delta) == ("k3", 0.02, 0.25)
 
 
+POINTS = [{"id": "baseline", "knob": "baseline", "m_probe": 9.7e-13},
+          {"id": "a", "knob": "weight_noise", "m_probe": 1.78},
+          {"id": "b", "knob": "weight_noise", "m_probe": None},
+          {"id": "c", "knob": "weight_noise", "m_probe": 15.4}]
+
+
+def test_a_budget_beyond_its_own_calibration_points_is_refused_in_one_line(tmp_path, capsys):
+    """Issue 38 row 7: a budget.json whose B is 1e308 admitted everything. B is the knee between measured points,
+    so it cannot exceed the largest M its study measured: refused at load, in one line naming the file."""
+    from opdjax.cli.main import main
+
+    for b in (1e308, 15.5):
+        p = write_budget(tmp_path, budget=b, points=POINTS)
+        with pytest.raises(AdmissionError, match=r"budget\.json: 'budget' B = .* is above the largest M its study "
+                                                 r"measured \(15\.4 over 3 points\); expected B <= 15\.4"):
+            bio.load_budget(p)
+    assert main(["admit", "--budget", p, "rollout.weight_noise=0.01"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and p in err[0] and "expected B <= 15.4" in err[0], err
+    assert bio.load_budget(write_budget(tmp_path, budget=15.4, points=POINTS)).budget == 15.4
+    assert bio.load_budget(write_budget(tmp_path, budget=7.5, points=POINTS)).budget == 7.5
+    for bad in ({"points": {"a": 1}}, {"points": [1.0]}, {"points": [{"m_probe": "x"}]}):
+        with pytest.raises(AdmissionError, match="'points'"):
+            bio.load_budget(write_budget(tmp_path, **bad))
+
+
+def test_every_shipped_resolved_budget_passes_its_own_points_check():
+    root = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results"
+    shipped = sorted(root.glob("*/budget.json"))
+    assert shipped
+    for f in shipped:
+        if json.loads(f.read_text()).get("status") != "UNRESOLVED":
+            assert bio.load_budget(f).budget > 0
+
+
 # ------------------------------------------------------------------------------------------------------ admit CLI
 
 

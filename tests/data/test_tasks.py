@@ -230,3 +230,24 @@ def test_prompt_files_are_used_whole_and_bad_rows_name_file_and_line(tmp_path):
         with pytest.raises(TaskError, match=words) as e:
             get_task("jsonl", path=str(tmp_path / name))
         assert isinstance(e.value, InputError) and name in str(e.value)
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", "\n\t "])
+def test_an_empty_prompt_is_refused_naming_file_and_line(tmp_path, prompt):
+    """Issue 38 row 7: an empty (or whitespace-only) prompt was accepted and trained on."""
+    from opdjax.data.tasks import TaskError
+
+    p = _write(tmp_path / "d.jsonl", ['{"prompt": "a"}', json.dumps({"prompt": prompt, "answer": "1"})])
+    with pytest.raises(TaskError, match=r"d\.jsonl:2: 'prompt' is empty"):
+        JsonlTask(p)
+
+
+def test_a_line_over_the_reader_cap_is_refused_without_reading_it_whole(tmp_path, monkeypatch):
+    """A line longer than MAX_LINE_BYTES is refused naming file:line and the cap, having read at most the cap."""
+    from opdjax.data.tasks import TaskError
+
+    monkeypatch.setattr(tasks, "MAX_LINE_BYTES", 1000)
+    p = _write(tmp_path / "d.jsonl", ['{"prompt": "a"}', json.dumps({"prompt": "x" * 900}),
+                                      json.dumps({"prompt": "x" * 1000})])
+    with pytest.raises(TaskError, match=r"d\.jsonl:3: a line of more than 1,000 bytes"):
+        JsonlTask(p)

@@ -264,6 +264,23 @@ def test_knee_search_brackets_the_knee_by_stepping_then_bisecting():
         study_config.load_study(None, ["knee.factor=1"])
 
 
+def test_the_seed_count_is_bounded_with_its_own_message(tmp_path, capsys):
+    """Issue 38 row 7: a 10^6-seed study was refused as "an alias bomb?" (from YAML) or accepted (from a mapping).
+    Each of seeds and baseline_seeds holds at most MAX_SEEDS, refused in one line that says so."""
+    from opdjax.cli.main import main
+
+    bound = f"at most {study_config.MAX_SEEDS:,}"
+    with pytest.raises(ConfigError, match=f"seeds: 1,000,000 seeds; .*{bound}"):
+        study_config.load_study({"seeds": list(range(10**6))})
+    with pytest.raises(ConfigError, match=f"baseline_seeds: 5,000 seeds; .*{bound}"):
+        study_config.load_study({"baseline_seeds": list(range(5000))})
+    p = tmp_path / "s.yaml"
+    p.write_text("seeds: [" + ", ".join(map(str, range(2000))) + "]\n")
+    assert main(["study", "--config", str(p), "--print-config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "seeds: 2,000 seeds" in err[0] and "alias" not in err[0], err
+
+
 def test_knee_candidates_sit_below_inside_and_above_the_bracket_and_never_on_a_searched_level():
     def pts(levels):
         return [{"knob": "baseline", "value": 0, "m_probe": 1e-12}] + [
