@@ -454,18 +454,20 @@ MAX_CONFIG_VALUES = 100_000  # values in a config once YAML aliases are expanded
 
 def check_expanded_size(value: Any, where: str, limit: int = MAX_CONFIG_VALUES) -> None:
     """ConfigError when `value` holds more than `limit` values counting every alias expansion (a YAML "billion
-    laughs" alias bomb is small as parsed, and explodes only when something copies it). Stops at the limit."""
-    stack, seen = [value], 0
+    laughs" alias bomb is small as parsed, and explodes only when something copies it). Stops at the limit once an
+    alias (a mapping or list reached twice) has been met; a value as large as written, with no alias, is walked
+    once and left to the typed checks (a long list costs what reading it cost, and e.g. a study bounds its seeds)."""
+    stack, seen, containers, aliased = [value], 0, set(), False
     while stack:
         v = stack.pop()
         seen += 1
-        if seen > limit:
+        if isinstance(v, (Mapping, list, tuple)):
+            aliased = aliased or (len(v) > 0 and id(v) in containers)  # () is one shared object, not an alias
+            containers.add(id(v))
+            stack.extend(v.values() if isinstance(v, Mapping) else v)
+        if seen > limit and aliased:
             raise ConfigError(f"{where}: more than {limit} values once YAML aliases are expanded (an alias bomb?); "
                               "refused")
-        if isinstance(v, Mapping):
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
 
 
 def read_config_file(path: str | pathlib.Path) -> dict[str, Any]:

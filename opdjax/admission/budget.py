@@ -68,11 +68,34 @@ def load_budget(path: str | pathlib.Path) -> Budget:
         raise AdmissionError(f"budget file {p}: the study did not locate the knee ({br.get('why', 'bracket too wide')}"
                              f"; B would be {b:.4g}), so there is no budget to admit against. Rerun `opdjax study` "
                              f"with knee.enabled=true, or with weight-noise levels between the bracket's ends")
+    _check_against_points(p, float(b), d.get("points"))
     on = d.get("calibrated_on")
     if on is not None and not isinstance(on, dict):
         raise AdmissionError(f"budget file {p}: 'calibrated_on' must be an object (a setup fingerprint), got {on!r}")
     return Budget(metric=metric, budget=float(b), delta=None if delta is None else float(delta), path=str(p),
                   calibrated_on=on, train_config=_recorded_train_config(p, d))
+
+
+def _check_against_points(p: pathlib.Path, b: float, points: Any) -> None:
+    """B is the knee between the mismatch levels its study measured (a resolved study never extrapolates past the
+    largest), so a B above the largest M the file's own points record is not one that study found (a hand-edited or
+    corrupted file would admit everything). Files without measured points (hand-written) are not checked."""
+    if points is None:
+        return
+    if not isinstance(points, list) or not all(isinstance(pt, dict) for pt in points):
+        raise AdmissionError(f"budget file {p}: 'points' must be a list of objects (the study's points), got "
+                             f"{str(points)[:80]}")
+    ms = [pt.get("m_probe") for pt in points if pt.get("m_probe") is not None]
+    bad = [m for m in ms if isinstance(m, bool) or not isinstance(m, (int, float))]
+    if bad:
+        raise AdmissionError(f"budget file {p}: 'points' must record each m_probe as a number or null, got "
+                             f"{bad[:3]}")
+    finite = [float(m) for m in ms if math.isfinite(m)]
+    if finite and b > max(finite) * (1 + 1e-9):
+        top = max(finite)
+        raise AdmissionError(f"budget file {p}: 'budget' B = {b:.4g} is above the largest M its study measured "
+                             f"({top:.4g} over {len(finite)} points); expected B <= {top:.4g}, a knee between the "
+                             f"points that were measured: rerun `opdjax study`, or restore the file")
 
 
 def _recorded_train_config(p: pathlib.Path, d: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -33,7 +33,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Any, Callable, ClassVar, Iterable, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from opdjax.core.registry import register
 
 SPLITS = ("train", "heldout")
 HELDOUT_FRACTION = 0.1
+# The longest line a prompt file may hold, read no further: 16 MiB is ~4M tokens at 4 bytes a token, more than any
+# model's context; the pipeline then bounds each prompt by the student's own context (`pipeline.inputs`).
+MAX_LINE_BYTES = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +298,8 @@ class ReverseTask(_SyntheticTask):
 class JsonlTask:
     """Prompts (and optional reference answers) from a JSONL file, one JSON object per line.
 
-    - ``prompt_key`` (default "prompt") must hold a string on every non-blank line.
+    - ``prompt_key`` (default "prompt") must hold a non-empty string (not only whitespace) on every non-blank line;
+      a line longer than ``MAX_LINE_BYTES`` is refused before it is read whole.
     - ``answer_key`` (default "answer") is optional per line; a non-string answer (e.g. ``46``) is used as
       ``str(answer)``. ``grade`` is exact match (stripped) where an answer exists and **None** where it does not:
       such examples are ungraded, and callers average only the non-None scores.
@@ -356,44 +360,62 @@ def _load_jsonl(path: str, prompt_key: str, answer_key: str) -> tuple[Example, .
     """Every row of the file (TaskError naming file:line for a bad one, including bytes that are not UTF-8)."""
     if not os.path.isfile(path):
         raise TaskFileNotFound(f"JSONL task file not found: {path}")
-    rows: list[Example] = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise TaskError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
-                                f"{e.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise TaskError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            if prompt_key not in obj:
-                raise TaskError(f"{path}:{lineno}: missing prompt key {prompt_key!r}; keys present: {sorted(obj)}")
-            prompt = obj[prompt_key]
-            if not isinstance(prompt, str):
-                raise TaskError(f"{path}:{lineno}: {prompt_key!r} must be a string, got {type(prompt).__name__}")
-            answer = obj.get(answer_key)
-            if answer is not None and not isinstance(answer, str):
-                if isinstance(answer, (dict, list)):
-                    raise TaskError(f"{path}:{lineno}: {answer_key!r} must be a string or number, got {answer!r}")
-                answer = str(answer)
-            if "split" in obj:
-                split = obj["split"]
-                if split not in SPLITS:
-                    raise TaskError(f"{path}:{lineno}: 'split' must be one of {SPLITS}, got {split!r}")
-            else:
-                split = split_of(prompt)
-            meta = {k: v for k, v in obj.items() if k not in (prompt_key, answer_key)}
-            meta.update(split=split, line=lineno)
-            rows.append(Example(prompt=prompt, answer=answer, meta=meta))
+    parsed = (_parse_row(path, lineno, raw, prompt_key, answer_key) for lineno, raw in _lines(path))
+    rows = [ex for ex in parsed if ex is not None]
     if not rows:
         raise TaskError(f"{path}: no rows (the file is empty)")
     return tuple(rows)
+
+
+def _lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, bytes) of each line; a line over `MAX_LINE_BYTES` is a TaskError naming it, after
+    reading no more than the cap of it (a line is never read whole before its size is known)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise TaskError(f"{path}:{lineno}: a line of more than {MAX_LINE_BYTES:,} bytes (the most a prompt "
+                                f"line may hold; a prompt must fit the student's context); refused without reading "
+                                f"the rest")
+            yield lineno, raw
+
+
+def _parse_row(path: str, lineno: int, raw: bytes, prompt_key: str, answer_key: str) -> Example | None:
+    """The Example of one line (None for a blank line); TaskError naming file:line for anything else."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TaskError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                        f"{e.start + 1})") from None
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TaskError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise TaskError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+    if prompt_key not in obj:
+        raise TaskError(f"{path}:{lineno}: missing prompt key {prompt_key!r}; keys present: {sorted(obj)}")
+    prompt = obj[prompt_key]
+    if not isinstance(prompt, str):
+        raise TaskError(f"{path}:{lineno}: {prompt_key!r} must be a string, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise TaskError(f"{path}:{lineno}: {prompt_key!r} is empty{' (only whitespace)' if prompt else ''}; "
+                        "every row needs a prompt to sample from")
+    answer = obj.get(answer_key)
+    if answer is not None and not isinstance(answer, str):
+        if isinstance(answer, (dict, list)):
+            raise TaskError(f"{path}:{lineno}: {answer_key!r} must be a string or number, got {answer!r}")
+        answer = str(answer)
+    if "split" in obj:
+        split = obj["split"]
+        if split not in SPLITS:
+            raise TaskError(f"{path}:{lineno}: 'split' must be one of {SPLITS}, got {split!r}")
+    else:
+        split = split_of(prompt)
+    meta = {k: v for k, v in obj.items() if k not in (prompt_key, answer_key)}
+    meta.update(split=split, line=lineno)
+    return Example(prompt=prompt, answer=answer, meta=meta)
 
 
 # ----------------------------------------------------------------------------------------------------- corpus

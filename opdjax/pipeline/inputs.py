@@ -19,7 +19,12 @@ from opdjax.models.sharding import make_mesh
 from opdjax.models.tiny import tiny_config
 from opdjax.pipeline.prepare import prepare_builtin
 
-__all__ = ["Inputs", "check_inputs", "check_lengths", "resolve_models"]
+__all__ = ["BYTES_PER_TOKEN", "Inputs", "check_distinct_prompts", "check_inputs", "check_lengths", "prompt_byte_bound",
+           "resolve_models"]
+
+# The most bytes one token covers on average, generously (byte-level BPE on text: about 4; runs of spaces or
+# repeated symbols: a few dozen at worst): bounds a prompt's bytes by its positions before it is tokenized.
+BYTES_PER_TOKEN = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +39,8 @@ def check_inputs(cfg: TrainConfig) -> Inputs:
     """Everything about the input that can be checked without loading a model, so that bad input is named before
     the consequences of running with it (a run directory claimed, a built-in pair prepared for minutes): the mesh
     against this machine's devices, the task and its options, each model directory (config.json present and of a
-    supported family), and the completion length against the student's positions."""
+    supported family), the completion length against the student's positions, and a prompt file's rows: each
+    prompt's bytes against the student's context, enough distinct prompts in each split."""
     mesh = make_mesh(cfg.mesh.shape)
     try:
         task = tasks.get_task(cfg.task.name, **cfg.task.options)
@@ -46,26 +52,70 @@ def check_inputs(cfg: TrainConfig) -> Inputs:
     student_path = cfg.student.path
     positions = (tiny_config(cfg.prepare.family, cfg.prepare.student_size) if student_path == "builtin"
                  else ModelConfig.from_dir(student_path)).max_position_embeddings
-    check_lengths(cfg, None, None, positions)
+    check_lengths(cfg, task, None, positions)
+    check_distinct_prompts(cfg, task)
     return Inputs(mesh=mesh, task=task)
 
 
 def check_lengths(cfg: TrainConfig, task, tokenizer, positions: int) -> None:
     """Prompt + rollout.max_new_tokens must fit the student's positions: checked for max_new_tokens alone, and for
-    every row of a task read from a file (ConfigError naming the file and line of the first row that does not)."""
+    every row of a task read from a file (ConfigError naming the file and line of the first row that does not):
+    first by its UTF-8 bytes against `prompt_byte_bound` (no tokenizer, so this runs before any model loads and
+    before a long line is tokenized), then, given a tokenizer, by its tokens."""
     n = cfg.rollout.max_new_tokens
     if n >= positions:
         raise ConfigError(f"rollout.max_new_tokens={n} leaves no room for a prompt: the student has {positions} "
                           f"positions (prompt + completion must fit)")
     rows = getattr(task, "rows", None)
-    if rows:
-        lens = [len(ids) for ids in tokenizer([ex.prompt for ex in rows], add_special_tokens=False).input_ids]
-        too_long = [(ln, ex) for ln, ex in zip(lens, rows) if ln + n > positions]
-        if too_long:
-            ln, ex = too_long[0]
-            raise ConfigError(f"{getattr(task, 'path', 'prompts')}:{ex.meta.get('line', '?')}: a prompt of {ln} "
-                              f"tokens + rollout.max_new_tokens={n} exceeds the student's {positions} positions "
-                              f"({len(too_long)} row(s) do); shorten them or lower rollout.max_new_tokens")
+    if not rows:
+        return
+    where = getattr(task, "path", "prompts")
+    bound = prompt_byte_bound(positions, n)
+    for ex in rows:
+        size = len(ex.prompt.encode("utf-8"))
+        if size > bound:
+            raise ConfigError(f"{where}:{ex.meta.get('line', '?')}: a prompt of {size:,} bytes cannot fit the "
+                              f"student's {positions} positions with rollout.max_new_tokens={n}: refused before "
+                              f"tokenizing, over the bound of {bound:,} bytes ({positions - n} prompt positions x "
+                              f"{BYTES_PER_TOKEN} bytes a token at most); shorten it")
+    if tokenizer is None:
+        return
+    lens = [len(ids) for ids in tokenizer([ex.prompt for ex in rows], add_special_tokens=False).input_ids]
+    too_long = [(ln, ex) for ln, ex in zip(lens, rows) if ln + n > positions]
+    if too_long:
+        ln, ex = too_long[0]
+        raise ConfigError(f"{where}:{ex.meta.get('line', '?')}: a prompt of {ln} tokens + rollout.max_new_tokens={n} "
+                          f"exceeds the student's {positions} positions ({len(too_long)} row(s) do); shorten them or "
+                          f"lower rollout.max_new_tokens")
+
+
+def prompt_byte_bound(positions: int, max_new_tokens: int) -> int:
+    """The most UTF-8 bytes a prompt may hold before it is tokenized: its positions (the student's, less the
+    completion's) times `BYTES_PER_TOKEN`. A prompt over it cannot fit unless its tokens average more than that many
+    bytes, which no tokenizer's do on text; one under it is short enough to tokenize whole."""
+    return max(positions - max_new_tokens, 0) * BYTES_PER_TOKEN
+
+
+def check_distinct_prompts(cfg: TrainConfig, task) -> None:
+    """A task read from a file needs at least `rollout.batch_size` distinct prompts in its training split (one step
+    samples that many prompts: fewer, and every step trains on repeats of the same few) and at least one row in its
+    held-out split (the evaluation draws `pipeline.eval_prompts` from it). ConfigError naming the file otherwise.
+    Generated tasks draw their own pools and are not checked."""
+    split_rows = getattr(task, "split_rows", None)
+    if split_rows is None:
+        return
+    where, need = getattr(task, "path", "prompts"), cfg.rollout.batch_size
+    train = split_rows("train")
+    distinct = len({ex.prompt for ex in train})
+    if distinct < need:
+        raise ConfigError(f"{where}: {distinct} distinct training prompt{'s' * (distinct != 1)} ({len(train)} "
+                          f"row(s) in the training split); a step samples rollout.batch_size={need} prompts, so it "
+                          f"needs at least {need} distinct ones: add rows, mark more with \"split\": \"train\" (rows "
+                          f"without one are held out by a hash of the prompt, ~10%), or lower rollout.batch_size")
+    if not split_rows("heldout"):
+        raise ConfigError(f"{where}: the 'heldout' split has no rows (of {len(task.rows)}); the evaluation draws "
+                          f"pipeline.eval_prompts from it: mark some rows with \"split\": \"heldout\" (rows without "
+                          f"one are held out by a hash of the prompt, ~10%)")
 
 
 def resolve_models(cfg: TrainConfig, log=print) -> tuple[str, str]:

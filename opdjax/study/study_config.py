@@ -123,6 +123,10 @@ def round_level(sigma: float) -> float:
     return float(f"{sigma:.3g}")
 
 
+# The most seeds `seeds` (or `baseline_seeds`) may list: each is a full training run of every point it applies to.
+MAX_SEEDS = 1000
+
+
 @dataclasses.dataclass
 class StudyConfig:
     out_dir: str = "runs/study"
@@ -153,6 +157,10 @@ class StudyConfig:
             raise ConfigError(f"quality={self.quality!r} is not valid; choose one of {list(QUALITIES)}")
         if not self.delta >= 0:
             raise ConfigError(f"delta must be >= 0, got {self.delta}")
+        for what, seeds in (("seeds", self.seeds), ("baseline_seeds", self.baseline_seeds)):
+            if len(seeds) > MAX_SEEDS:
+                raise ConfigError(f"{what}: {len(seeds):,} seeds; a study trains every point once per seed, at most "
+                                  f"{MAX_SEEDS:,} seeds (its intervals need a few, 8 to 32 in the shipped studies)")
         if not self.seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in self.seeds):
             raise ConfigError(f"seeds must be a non-empty list of ints, got {list(self.seeds)}")
         for what, seeds in (("seeds", self.seeds), ("baseline_seeds", self.baseline_seeds or self.seeds)):
