@@ -54,10 +54,10 @@ def save_checkpoint(directory: str | pathlib.Path, state: TrainState, extra: Map
     is whole, and the KeyboardInterrupt is raised then."""
     step = int(jax.device_get(state.step))
     root = pathlib.Path(directory).absolute()
-    if not _finite(_as_tree(state)):
-        raise NonFiniteError(f"step {step}: the parameters hold NaN or infinite values; not saved under {root} "
-                             f"(the checkpoints there are kept)")
-    with sigint_deferred():
+    with sigint_deferred():  # from the check on: a Ctrl-C once the run has reached its save leaves the checkpoint
+        if not _finite(_as_tree(state)):
+            raise NonFiniteError(f"step {step}: the parameters hold NaN or infinite values; not saved under {root} "
+                                 f"(the checkpoints there are kept)")
         existed = (root / str(step)).exists()
         try:
             with _orbax_errors_held() as held:
@@ -254,11 +254,14 @@ def _restore(p: pathlib.Path, step: int, like: TrainState) -> tuple[TrainState, 
 
 
 def _finite(tree: Any) -> bool:
-    """Whether every floating-point value in the tree is finite (one reduction per leaf, one transfer)."""
+    """Whether every floating-point value in the tree is finite (one jitted reduction, one transfer)."""
     leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
-    if not leaves:
-        return True
-    return bool(jax.device_get(jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()))
+    return not leaves or bool(jax.device_get(_all_finite(leaves)))
+
+
+@jax.jit
+def _all_finite(leaves: list) -> jax.Array:
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
 
 
 def _as_tree(state: TrainState) -> dict[str, Any]:
