@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import pathlib
 import shutil
 import time
@@ -23,8 +24,9 @@ import jax
 from tqdm import tqdm
 
 from opdjax.config import TrainConfig, to_dict
+from opdjax.core.errors import NonFiniteError
 from opdjax.data.prompts import PromptStream
-from opdjax.learner import latest_step, restore_checkpoint, save_checkpoint
+from opdjax.learner import latest_step, restore_newest_good, save_checkpoint
 from opdjax.learner.distributed import agree, barrier, gathered
 from opdjax.models import hf
 from opdjax.pipeline import rundir
@@ -97,6 +99,7 @@ def _claim(out: pathlib.Path, cfg: TrainConfig):
                     f"pipeline.resume=true, replace it with pipeline.overwrite=true, or choose another out_dir")
             if prev and cfg.pipeline.resume:
                 rundir.check_resume_config(out, to_dict(cfg), allow=cfg.pipeline.allow_config_change)
+                rundir.check_metrics(out / "metrics.jsonl")
         except rundir.RunDirError as e:
             problem = e
             if held is not None:
@@ -155,21 +158,33 @@ def _prepare_dir(run: Run) -> None:
 
 
 def _resume(run: Run, state, stream: PromptStream, log) -> tuple[Any, _Progress]:
-    """The state and progress of the newest checkpoint (pipeline.resume=true), its weights republished; metrics
-    after it truncated (those steps are run again and logged once). A fresh start otherwise."""
+    """The state and progress of the newest checkpoint that passes its check (pipeline.resume=true; damaged newer
+    ones are set aside, saying so), its weights republished; metrics after it truncated (those steps are run again
+    and logged once). A fresh start otherwise."""
     ckpt_dir = run.out_dir / "checkpoints"
     prog = _Progress(position=stream.position)
     if not (run.cfg.pipeline.resume and agree(latest_step(ckpt_dir) is not None)):
         return state, prog
-    state, extra = restore_checkpoint(ckpt_dir, state)
+    state, extra = restore_newest_good(ckpt_dir, state, log)
     prog = _Progress(step=int(extra["step"]), dropped=int(extra["dropped"]), position=int(extra["stream_position"]),
                      saved=int(extra["step"]), initial_eval=extra.get("initial_eval"))
     stream.position = prog.position
     publish(run.parts, state.params, prog.step, rewind=True)  # the engine may hold later versions of the lost run
     if jax.process_index() == 0:
-        rundir.truncate_metrics(run.out_dir / "metrics.jsonl", prog.step)
+        rundir.truncate_metrics(run.out_dir / "metrics.jsonl", prog.step, log)
     log(f"resumed from {ckpt_dir} at step {prog.step} (stream position {stream.position})")
     return state, prog
+
+
+def _check_finite(m: dict[str, Any], step: int, saved: int | None) -> None:
+    """NonFiniteError when the step's loss or gradient norm is NaN or infinite (naming them and the checkpoint the
+    run can resume from)."""
+    bad = {k: m[k] for k in ("loss", "grad_norm") if k in m and not math.isfinite(float(m[k]))}
+    if bad:
+        shown = ", ".join(f"{k} {v}" for k, v in bad.items())
+        last = f"the newest checkpoint is step {saved}" if saved is not None else "no checkpoint was saved"
+        raise NonFiniteError(f"step {step}: {shown}: the run is stopped before these weights are published or saved "
+                             f"({last}); lower optim.lr or check the loss's inputs, then resume")
 
 
 def _open_source(run: Run, stream: PromptStream, first_step: int) -> RolloutSource:
@@ -258,11 +273,14 @@ class _Loop:
             self.checkpoint()
 
     def _train_on(self, item: Rollout, phases: Phases) -> dict[str, Any]:
-        """Train on `item` (padded to the longest row of any process), publish the new weights; the step's metrics."""
+        """Train on `item` (padded to the longest row of any process), publish the new weights; the step's metrics.
+        A loss or gradient norm that is not finite stops the run (NonFiniteError) before those weights are published
+        or saved."""
         parts, prog = self.run.parts, self.prog
         batch = pad_left(item.batch, agree(item.batch.tokens_BT.shape[1]), parts.tokenizer.pad_token_id)
         self.state, m = train_on(parts, self.state, batch, item.examples)
         prog.step += 1
+        _check_finite(m, prog.step, prog.saved)
         prog.position = item.stream_end
         with phases.time("publish"):
             publish(parts, self.state.params, prog.step)

@@ -3,13 +3,16 @@
     lock(out_dir)            an exclusive `flock` on out_dir/.opdjax.lock (holding the owner's pid and command) for
                              the whole run; a second run into the same directory is refused, naming the owner
     previous_run(out_dir)    what a finished or interrupted run left there (checkpoints, metrics.jsonl, summary.json)
-    truncate_metrics(p, s)   metrics.jsonl cut to the lines of steps <= s (a resumed run logs each step once)
+    check_metrics(p)         metrics.jsonl readable before a resume appends to it (UTF-8, JSON lines but a torn last)
+    truncate_metrics(p, s)   metrics.jsonl cut to the lines of steps <= s (a resumed run logs each step once), a torn
+                             last line dropped with a warning
     write_json / write_text  atomic: a temporary file in the same directory, fsync'd, then `os.replace`
 
 A fresh run (`pipeline.resume=false`) into a directory holding a previous run is refused unless
 `pipeline.overwrite=true`; `pipeline.resume=true` continues it (and is a no-op when it has finished), with the
 run's own training config: `check_resume_config` refuses a resume that changes what is trained (naming the keys)
-unless `pipeline.allow_config_change=true`, which records the changes in config_changes.jsonl.
+unless `pipeline.allow_config_change=true`, which records the changes in config_changes.jsonl. The resume guards
+fail closed: a config.json or metrics.jsonl that cannot be read is an error naming the file.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ import os
 import pathlib
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 from opdjax.core.errors import InputError
 
-__all__ = ["RESUME_MAY_CHANGE", "RunDirError", "check_resume_config", "config_changes", "lock", "previous_run",
-           "truncate_metrics", "write_json", "write_text"]
+__all__ = ["RESUME_MAY_CHANGE", "RunDirError", "check_metrics", "check_resume_config", "config_changes", "lock",
+           "previous_run", "truncate_metrics", "write_json", "write_text"]
 
 LOCK = ".opdjax.lock"
 RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json")
@@ -85,12 +88,11 @@ def config_changes(old: dict, new: dict, may_change: tuple[str, ...] = RESUME_MA
 
 def check_resume_config(out_dir: str | pathlib.Path, new: dict, *, allow: bool) -> list[tuple]:
     """Compare a resume's config with the run's config.json: RunDirError naming the keys that differ, unless
-    `allow` (pipeline.allow_config_change), when the changes are appended to config_changes.jsonl and returned."""
-    path = pathlib.Path(out_dir) / "config.json"
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []  # nothing recorded (an older run, or none): nothing to compare
+    `allow` (pipeline.allow_config_change), when the changes are appended to config_changes.jsonl and returned.
+
+    Fails closed: a config.json that is missing, unreadable or not a JSON object is a RunDirError naming the file
+    (a run writes it before anything else, so a run without one cannot be checked), never "nothing to compare"."""
+    old = _run_config(pathlib.Path(out_dir) / "config.json")
     changes = config_changes(old, new)
     if changes and not allow:
         shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes[:8])
@@ -102,6 +104,22 @@ def check_resume_config(out_dir: str | pathlib.Path, new: dict, *, allow: bool) 
         with open(pathlib.Path(out_dir) / "config_changes.jsonl", "a") as f:
             f.write(json.dumps({"changes": [[k, a, b] for k, a, b in changes]}, default=str) + "\n")
     return changes
+
+
+def _run_config(path: pathlib.Path) -> dict:
+    """The run's saved config; RunDirError naming the file when it cannot be read as a JSON object."""
+    try:
+        old = json.loads(path.read_bytes().decode("utf-8"))
+        problem = None if isinstance(old, dict) else f"holds a JSON {type(old).__name__}, not an object"
+    except FileNotFoundError:
+        problem = "is missing"
+    except (OSError, ValueError) as e:  # unreadable, invalid UTF-8, invalid JSON
+        problem = f"is unreadable ({type(e).__name__}: {str(e)[:120]})"
+    if problem:
+        raise RunDirError(f"{path} {problem}: a resume cannot check that it continues the same training; put the "
+                          "run's config.json back (the one it was started with), or start a fresh run in another "
+                          "pipeline.out_dir")
+    return old
 
 
 def write_json(path: str | pathlib.Path, obj: Any) -> None:
@@ -141,18 +159,46 @@ def previous_run(out_dir: str | pathlib.Path) -> list[str]:
     return [n for n in RUN_FILES if (d / n).exists()]
 
 
-def truncate_metrics(path: str | pathlib.Path, step: int) -> int:
-    """Keep the lines of metrics.jsonl whose step is <= `step` (and drop a torn last line); lines kept."""
+def check_metrics(path: str | pathlib.Path) -> list[str]:
+    """The lines of a run's metrics.jsonl, checked before a resume appends to it: RunDirError naming the file (and
+    line) when it is not UTF-8 or a line other than the last is not JSON. A last line that is not JSON (cut by a
+    kill while it was written) is allowed: `truncate_metrics` repairs it."""
     path = pathlib.Path(path)
     if not path.exists():
-        return 0
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a kill
-        if int(rec.get("step", 0)) <= step:
-            kept.append(line)
-    write_text(path, "".join(k + "\n" for k in kept))
+        return []
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise RunDirError(f"{path}: not UTF-8 (byte {e.start}); a run's metrics file is JSON lines: repair or move it "
+                          "before resuming") from None
+    except OSError as e:
+        raise RunDirError(f"{path}: unreadable ({e.strerror or e}); fix it before resuming") from None
+    for i, line in enumerate(lines[:-1], start=1):
+        if not _record(line):
+            raise RunDirError(f"{path}:{i}: not a JSON record (only the last line may be cut by a kill); repair or "
+                              "move the file before resuming")
+    return lines
+
+
+def _record(line: str) -> dict | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def truncate_metrics(path: str | pathlib.Path, step: int, log: Callable[[str], None] = print) -> int:
+    """Keep the lines of metrics.jsonl whose step is <= `step` (the checkpoint's); lines kept. A torn last line
+    (a kill while it was written) is dropped with a warning through `log`; any other damage is a RunDirError
+    (`check_metrics`)."""
+    path = pathlib.Path(path)
+    lines = check_metrics(path)
+    if lines and _record(lines[-1]) is None:
+        log(f"WARNING: {path}: its last line was cut off (the run was stopped while writing it): dropped; steps "
+            f"after the checkpoint's step {step} are run again and logged once")
+        lines = lines[:-1]
+    kept = [line for line in lines if int(_record(line).get("step", 0)) <= step]
+    if path.exists():
+        write_text(path, "".join(k + "\n" for k in kept))
     return len(kept)
