@@ -53,11 +53,13 @@ class Run:
         self.close()
 
 
-def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True) -> Run:
+def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True, checked: inputs.Inputs | None = None) -> Run:
     """Everything a run needs; `with_teacher=False` skips loading the teacher (probes only rescore the student).
 
-    What can be checked without the models is checked first (`inputs.check_inputs`)."""
-    checked = inputs.check_inputs(cfg)
+    What can be checked without the models is checked first (`inputs.check_inputs`), unless the caller passes what
+    that check returned for this `cfg` (`checked`: `opdjax train` checks before it claims its run directory, and the
+    prompt file is read once)."""
+    checked = checked or inputs.check_inputs(cfg)
     mesh, task = checked.mesh, checked.task
     student_path, teacher_path = inputs.resolve_models(cfg, log)
     tokenizer = load_tokenizer(student_path)

@@ -47,11 +47,11 @@ def check_inputs(cfg: TrainConfig) -> Inputs:
     except (TypeError, ValueError) as e:
         raise ConfigError(f"task {cfg.task.name!r} with task.options={dict(cfg.task.options)}: {e}") from None
     _check_dirs(cfg.student.path, cfg.teacher.path)
-    for path in {cfg.student.path, cfg.teacher.path} - {"builtin"}:
-        ModelConfig.from_dir(path)  # a missing config.json or an unsupported model_type, named now
+    # A missing config.json or an unsupported model_type, named now.
+    models = {path: ModelConfig.from_dir(path) for path in {cfg.student.path, cfg.teacher.path} - {"builtin"}}
     student_path = cfg.student.path
     positions = (tiny_config(cfg.prepare.family, cfg.prepare.student_size) if student_path == "builtin"
-                 else ModelConfig.from_dir(student_path)).max_position_embeddings
+                 else models[student_path]).max_position_embeddings
     check_lengths(cfg, task, None, positions)
     check_distinct_prompts(cfg, task)
     return Inputs(mesh=mesh, task=task)

@@ -69,14 +69,14 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any
     is refused before anything is built; resuming a finished run returns its summary and changes nothing. Bad input
     (a model directory that does not exist, a mesh this machine cannot hold) is named before the run directory."""
     out = pathlib.Path(cfg.pipeline.out_dir)
-    check_inputs(cfg)
+    checked = check_inputs(cfg)
     held = _claim(out, cfg)
     try:
         done = _finished(out, cfg) if cfg.pipeline.resume else None
         if done is not None:
             log(f"{out} holds a finished run of {done['steps']} steps: nothing to resume, its results are kept")
             return done
-        with build(cfg, log) as run:
+        with build(cfg, log, checked=checked) as run:
             return _train(run, log)
     finally:
         if held is not None:
