@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import threading
+import time
 from typing import Any, Callable, Iterator, Mapping
 
 import jax
@@ -86,10 +87,20 @@ def _write(root: pathlib.Path, step: int, state: TrainState, extra: Mapping[str,
     barrier(f"opdjax-checkpoint-{step}")
 
 
-def _remove_partial(root: pathlib.Path, step: int) -> None:
-    """What a failed save of `step` left (its step directory, orbax's temporary ones); best effort."""
-    for p in [root / str(step), *root.glob(f"{step}.orbax-checkpoint-tmp*")] if root.is_dir() else []:
-        shutil.rmtree(p, ignore_errors=True)
+def _remove_partial(root: pathlib.Path, step: int, settle_s: float = 2.0) -> None:
+    """What a failed save of `step` left (its step directory, orbax's temporary ones); best effort. Writes of the
+    failed save may still land for a moment after its exception (tensorstore's threads): removed until nothing of
+    it is left, for at most `settle_s`."""
+    def left() -> list[pathlib.Path]:
+        return [p for p in [root / str(step), *root.glob(f"{step}.orbax-checkpoint-tmp*")] if p.exists()]
+
+    deadline = time.monotonic() + settle_s
+    while root.is_dir():
+        for p in left():
+            shutil.rmtree(p, ignore_errors=True)
+        time.sleep(0.05)
+        if not left() or time.monotonic() > deadline:
+            return
 
 
 _OS_CODE = re.compile(r"os_error_code='(\d+)'")
