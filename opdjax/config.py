@@ -328,6 +328,8 @@ class SyncConfig:
     request_timeout: float = field(120.0, help="servers: seconds one generate or score request may take")
     retries: int = field(3, help="servers: extra attempts of a failed share (exponential backoff)")
     wait_s: float = field(60.0, help="servers: how long to wait when none answers before the run stops")
+    takeover: bool = field(False, help="servers: bind them even while another run holds them (that run's next call "
+                                       "fails); default: refuse, naming the run that holds them")
 
     @property
     def calls(self) -> CallSettings:

@@ -38,6 +38,7 @@ from opdjax.pipeline.components import make_engine, make_teacher
 from opdjax.pipeline.inputs import resolve_models
 from opdjax.remote.client import read_token
 from opdjax.remote.protocol import ServerLimits
+from opdjax.remote.lease import DEFAULT_IDLE_TIMEOUT
 from opdjax.remote.server import EngineServer
 from opdjax.remote.vllm_server import shell_line, vllm_command
 from opdjax.rollout.vllm_engine import DEFAULT_KV_CACHE_BYTES, llm_kwargs
@@ -69,12 +70,12 @@ def _serve(args) -> int:
         _, params = hf.load_state(student_path, mcfg, param_dtype=cfg.student.dtype)
         server = EngineServer(engine=make_engine(cfg, student_path, mcfg, params, tok), token=token, host=args.host,
                               port=args.port, bridge_port=args.bridge_port, model_name=student_path,
-                              shm_root=args.shm_root, limits=_limits(args))
+                              shm_root=args.shm_root, limits=_limits(args), lease_timeout=args.lease_timeout)
     else:
         teacher = make_teacher(dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, endpoints=())),
                                teacher_path, make_mesh(cfg.mesh.shape))
         server = EngineServer(teacher=teacher, token=token, host=args.host, port=args.port, model_name=teacher_path,
-                              limits=_limits(args))
+                              limits=_limits(args), lease_timeout=args.lease_timeout)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     print(json.dumps({"event": "ready", "role": args.role, "url": f"http://{server.host}:{server.port}",
@@ -174,7 +175,7 @@ def _serve_vllm(args, cfg: config.TrainConfig, path: str, token: str) -> int:
     argv, env = vllm_command(path, role=args.role, token_file=os.path.abspath(args.token_file), host=args.host,
                              port=port, bridge_port=args.bridge_port, shm_root=args.shm_root,
                              llm_kwargs=_vllm_settings(cfg, args.role, path, check_hardware=not args.print_command),
-                             fp8_emulation=_emulation(cfg, args.role))
+                             fp8_emulation=_emulation(cfg, args.role), lease_timeout=args.lease_timeout)
     env["OPDJAX_BRIDGE_IDLE_TIMEOUT"] = str(getattr(args, "transfer_idle_timeout", ServerLimits.transfer_idle_timeout))
     if args.print_command:
         print(shell_line(argv, env))
@@ -228,6 +229,9 @@ def add_serve_command(subparsers) -> None:
                     help="seconds a client may take to send one whole request (slow-loris bound)")
     sp.add_argument("--transfer-idle-timeout", type=float, default=lim.transfer_idle_timeout,
                     help="seconds a weight transfer over the bridge may stall before it is dropped")
+    sp.add_argument("--lease-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT,
+                    help="seconds without a call from the run that holds the server before another run may bind it "
+                         f"(default {DEFAULT_IDLE_TIMEOUT:.0f}; a run frees it when it ends)")
     sp.add_argument("--refusal-log-per-min", type=int, default=lim.refusal_log_per_min,
                     help="refused requests logged per minute (all are counted)")
     sp.add_argument("overrides", nargs="*",

@@ -24,7 +24,7 @@ from jax.experimental import multihost_utils
 
 from opdjax.core.errors import InputError
 
-__all__ = ["agree", "barrier", "gathered", "initialize", "is_multiprocess", "is_peer_failure", "row_share"]
+__all__ = ["agree", "barrier", "from_first", "gathered", "initialize", "is_multiprocess", "is_peer_failure", "row_share"]
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
@@ -87,6 +87,19 @@ def agree(value: int) -> int:
     if not is_multiprocess():
         return int(value)
     return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int64))))
+
+
+def from_first(text: str, size: int = 256) -> str:
+    """Process 0's `text` (ASCII, at most `size` bytes) on every process (no-op on one process)."""
+    if not is_multiprocess():
+        return text
+    raw = text.encode("ascii")
+    if len(raw) > size:
+        raise InputError(f"from_first: {len(raw)} bytes, at most {size}")
+    buf = np.zeros(size + 1, np.uint8)
+    buf[0], buf[1:1 + len(raw)] = len(raw), np.frombuffer(raw, np.uint8)
+    got = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    return bytes(got[1:1 + int(got[0])]).decode("ascii")
 
 
 _PEER_FAILURE = ("Gloo", "heartbeat", "Connection closed by peer", "UNAVAILABLE", "Barrier failed")

@@ -6,23 +6,27 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import secrets
+import socket
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh
 
 from opdjax.config import TrainConfig
+from opdjax.learner.distributed import from_first
 from opdjax.models import ModelConfig, hf
 from opdjax.models.sharding import make_mesh
 from opdjax.models.tiny import load_tokenizer
 from opdjax.pipeline import components, inputs
 from opdjax.pipeline.evaluate import Evaluator
-from opdjax.pipeline.opd import OPDParts
+from opdjax.pipeline.opd import OPDParts, publish
+from opdjax.remote.lease import RunId
 from opdjax.rollout.jax_engine import JaxEngine
 from opdjax.sync import Link
 from opdjax.teacher import check_same_vocab
 
-__all__ = ["Run", "build", "make_evaluator"]
+__all__ = ["Run", "build", "identity", "make_evaluator"]
 
 
 @dataclasses.dataclass
@@ -41,10 +45,14 @@ class Run:
     links: list[Link] = dataclasses.field(default_factory=list)
 
     def close(self) -> None:
-        """Release what the run opened for publishing (sockets, snapshot directories)."""
+        """Release what the run opened for publishing (sockets, snapshot directories) and free the engine servers it
+        bound (process 0 frees them; the others leave that to it)."""
         for link in self.links:
             link.close()
         self.links.clear()
+        for part in (self.parts.engine, self.parts.teacher):
+            if getattr(part, "shared", False):
+                part.close(release=jax.process_index() == 0)
 
     def __enter__(self) -> "Run":
         return self
@@ -53,13 +61,26 @@ class Run:
         self.close()
 
 
-def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True, checked: inputs.Inputs | None = None) -> Run:
+def identity(cfg: TrainConfig, run: str | None = None) -> RunId:
+    """This launch as engine servers know it (`remote.lease`): `run` (a new id when None) and a new session, process
+    0's on every process; labelled host:out_dir; `sync.takeover` as set."""
+    text = f"{run or secrets.token_hex(8)} {secrets.token_hex(8)}" if jax.process_index() == 0 else ""
+    run_id, session = from_first(text).split()
+    label = f"{socket.gethostname()}:{pathlib.Path(cfg.pipeline.out_dir).resolve()}"
+    return RunId(run=run_id, session=session, label=label, takeover=cfg.sync.takeover)
+
+
+def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True, checked: inputs.Inputs | None = None,
+          run_id: RunId | None = None, publish_start: bool = True) -> Run:
     """Everything a run needs; `with_teacher=False` skips loading the teacher (probes only rescore the student).
 
     What can be checked without the models is checked first (`inputs.check_inputs`), unless the caller passes what
     that check returned for this `cfg` (`checked`: `opdjax train` checks before it claims its run directory, and the
-    prompt file is read once)."""
+    prompt file is read once). Engine servers are bound to `run_id` (default: a new `identity`); with
+    `publish_start`, the student's starting weights are published to them as version 0 before anything samples
+    (the training loop publishes its own starting point, a checkpoint's when it resumes)."""
     checked = checked or inputs.check_inputs(cfg)
+    run_id = run_id or identity(cfg)
     mesh, task = checked.mesh, checked.task
     student_path, teacher_path = inputs.resolve_models(cfg, log)
     tokenizer = load_tokenizer(student_path)
@@ -75,15 +96,19 @@ def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True, checked: in
                                      dtype=student.compute_dtype, attention=student.attention, remat=student.remat)
     sampling = components.sampling_params(cfg, tokenizer)
     learner = components.make_learner(cfg, graphdef, mesh, sampling)
-    engine = components.make_engine(cfg, student_path, student_cfg, params, tokenizer)
+    engine = components.make_engine(cfg, student_path, student_cfg, params, tokenizer, run_id=run_id)
     # Several learner processes: each scores its own rows, so an in-process teacher lives on its local devices.
     teacher_mesh = mesh if jax.process_count() == 1 else make_mesh((1, -1, 1), jax.local_devices())
     publisher, link = components.make_publisher(cfg, student_cfg, engine)
     parts = OPDParts(engine=engine, learner=learner, publisher=publisher, tokenizer=tokenizer, sampling=sampling,
-                     teacher=components.make_teacher(cfg, teacher_path, teacher_mesh) if with_teacher else None,
+                     teacher=(components.make_teacher(cfg, teacher_path, teacher_mesh, run_id=run_id) if with_teacher
+                              else None),
                      samples_per_prompt=cfg.rollout.samples_per_prompt, teacher_top_k=cfg.teacher.top_k, task=task)
-    return Run(cfg=cfg, parts=parts, student_cfg=student_cfg, graphdef=graphdef, params=params, mesh=mesh,
-               out_dir=pathlib.Path(cfg.pipeline.out_dir), links=[link])
+    run = Run(cfg=cfg, parts=parts, student_cfg=student_cfg, graphdef=graphdef, params=params, mesh=mesh,
+              out_dir=pathlib.Path(cfg.pipeline.out_dir), links=[link])
+    if publish_start and getattr(engine, "shared", False):
+        publish(parts, params, 0)
+    return run
 
 
 def make_evaluator(run: Run) -> Evaluator:

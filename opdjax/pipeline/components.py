@@ -14,6 +14,7 @@ from opdjax.learner import Learner, make_optimizer
 from opdjax.models import ModelConfig
 from opdjax.pipeline.opd import learner_temperature
 from opdjax.remote.client import RemoteEngine, RemoteTeacher, read_token
+from opdjax.remote.lease import RunId
 from opdjax.rollout import RolloutEngine, SamplingParams
 from opdjax.rollout.jax_engine import JaxEngine
 from opdjax.rollout.vllm_engine import VllmEngine  # vLLM itself is imported on first use
@@ -24,13 +25,16 @@ from opdjax.teacher.vllm_teacher import VllmTeacher
 __all__ = ["make_engine", "make_learner", "make_publisher", "make_teacher", "sampling_params"]
 
 
-def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, params, tokenizer) -> RolloutEngine:
-    """The rollout engine named by `rollout.engine`, serving the student's initial weights as version 0."""
+def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, params, tokenizer, *,
+                run_id: RunId | None = None) -> RolloutEngine:
+    """The rollout engine named by `rollout.endpoints` (servers, bound to `run_id`) or `rollout.engine`
+    (in-process, serving the student's initial weights as version 0)."""
     rollout, sync = cfg.rollout, cfg.sync
     if rollout.endpoints:
         return RemoteEngine(rollout.endpoints, read_token(sync.token_file), student_cfg, pad_id=tokenizer.pad_token_id,
                             calls=sync.calls, sync=cfg.pipeline.mode == "sync", publish_timeout=sync.timeout,
-                            transport="shm" if sync.transport == "shm" else "tcp", shm_root=sync.root or None)
+                            transport="shm" if sync.transport == "shm" else "tcp", shm_root=sync.root or None,
+                            run=run_id)
     if rollout.engine == "vllm":
         return VllmEngine(student_path, dtype=rollout.dtype, seed=rollout.seed, fp8_emulation=rollout.fp8_emulation,
                           recipe=None if rollout.recipe == "none" else rollout.recipe, **rollout.vllm)
@@ -47,12 +51,13 @@ def make_publisher(cfg: TrainConfig, student_cfg: ModelConfig, engine: RolloutEn
     return engine_publisher(engine, student_cfg, transport=transport, root=sync.root or None, timeout=sync.timeout)
 
 
-def make_teacher(cfg: TrainConfig, teacher_path: str, mesh: Mesh) -> Teacher:
-    """The teacher named by `teacher.engine` (JAX in-process on the learner's mesh, or vLLM)."""
+def make_teacher(cfg: TrainConfig, teacher_path: str, mesh: Mesh, *, run_id: RunId | None = None) -> Teacher:
+    """The teacher named by `teacher.endpoints` (servers, bound to `run_id`) or `teacher.engine` (JAX in-process on
+    the learner's mesh, or vLLM)."""
     teacher, sync = cfg.teacher, cfg.sync
     if teacher.endpoints:
         return RemoteTeacher(teacher.endpoints, read_token(sync.token_file), ModelConfig.from_dir(teacher_path),
-                             temperature=teacher.temperature, calls=sync.calls)
+                             temperature=teacher.temperature, calls=sync.calls, run=run_id)
     if teacher.engine == "vllm":
         return VllmTeacher(teacher_path, dtype=teacher.dtype)
     return JaxTeacher.from_pretrained(teacher_path, dtype=teacher.dtype, mesh=mesh, temperature=teacher.temperature)

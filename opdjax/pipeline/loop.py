@@ -30,7 +30,7 @@ from opdjax.learner import latest_step, restore_newest_good, save_checkpoint
 from opdjax.learner.distributed import agree, barrier, gathered
 from opdjax.models import hf
 from opdjax.pipeline import rundir
-from opdjax.pipeline.build import Run, build, make_evaluator
+from opdjax.pipeline.build import Run, build, identity, make_evaluator
 from opdjax.pipeline.evaluate import Evaluator
 from opdjax.pipeline.inputs import check_inputs
 from opdjax.pipeline.logger import MetricsLogger
@@ -76,7 +76,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any
         if done is not None:
             log(f"{out} holds a finished run of {done['steps']} steps: nothing to resume, its results are kept")
             return done
-        with build(cfg, log, checked=checked) as run:
+        run_id = identity(cfg, rundir.run_id(out, fresh=not cfg.pipeline.resume) if jax.process_index() == 0
+                          else None)
+        with build(cfg, log, checked=checked, run_id=run_id, publish_start=False) as run:
             return _train(run, log)
     finally:
         if held is not None:
@@ -160,16 +162,19 @@ def _prepare_dir(run: Run) -> None:
 def _resume(run: Run, state, stream: PromptStream, log) -> tuple[Any, _Progress]:
     """The state and progress of the newest checkpoint that passes its check (pipeline.resume=true; damaged newer
     ones are set aside, saying so), its weights republished; metrics after it truncated (those steps are run again
-    and logged once). A fresh start otherwise."""
+    and logged once). A fresh start otherwise (its starting weights published to engine servers, which may hold
+    another run's)."""
     ckpt_dir = run.out_dir / "checkpoints"
     prog = _Progress(position=stream.position)
     if not (run.cfg.pipeline.resume and agree(latest_step(ckpt_dir) is not None)):
+        if getattr(run.parts.engine, "shared", False):  # servers may hold another run's weights: send the start
+            publish(run.parts, state.params, 0)
         return state, prog
     state, extra = restore_newest_good(ckpt_dir, state, log)
     prog = _Progress(step=int(extra["step"]), dropped=int(extra["dropped"]), position=int(extra["stream_position"]),
                      saved=int(extra["step"]), initial_eval=extra.get("initial_eval"))
     stream.position = prog.position
-    publish(run.parts, state.params, prog.step, rewind=True)  # the engine may hold later versions of the lost run
+    publish(run.parts, state.params, prog.step)  # a new session: servers take it even if they held later versions
     if jax.process_index() == 0:
         rundir.truncate_metrics(run.out_dir / "metrics.jsonl", prog.step, log)
     log(f"resumed from {ckpt_dir} at step {prog.step} (stream position {stream.position})")

@@ -138,12 +138,13 @@ def train_on(parts: OPDParts, state: TrainState, batch: RolloutBatch, examples: 
     return state, m
 
 
-def publish(parts: OPDParts, params, version: int, *, rewind: bool = False) -> None:
+def publish(parts: OPDParts, params, version: int) -> None:
     """Send the learner's weights to the engine as `version` (HF names and layout, the engine's dtype; sharded
-    params gathered); returns once the engine has applied it. Versions only go forward, except with `rewind` (a
-    resumed learner republishing its checkpoint). Several learner processes with one remote engine: process 0
-    sends, and the others wait for it before they sample again."""
-    parts.publisher.publish(params, version, rewind=rewind)
+    params gathered); returns once the engine has applied it. Versions only go forward (a server bound to the run
+    restarts its order for each new session: a resumed run's first publish may be older than what the server held).
+    Several learner processes with one remote engine: process 0 sends, and the others wait for it before they
+    sample again."""
+    parts.publisher.publish(params, version)
     if is_multiprocess() and not parts.publisher.every_process:
         barrier(f"opdjax-publish-v{version}")
         parts.engine.mark_published(version)

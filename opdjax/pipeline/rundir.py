@@ -7,6 +7,8 @@
     truncate_metrics(p, s)   metrics.jsonl cut to the lines of steps <= s (a resumed run logs each step once), a torn
                              last line dropped with a warning
     write_json / write_text  atomic: a temporary file in the same directory, fsync'd, then `os.replace`
+    run_id(out_dir, fresh)   the run's id (out_dir/run_id): kept across resumes, new for a fresh run; engine servers
+                             serve one run id at a time (`remote.lease`)
 
 A fresh run (`pipeline.resume=false`) into a directory holding a previous run is refused unless
 `pipeline.overwrite=true`; `pipeline.resume=true` continues it (and is a no-op when it has finished), with the
@@ -21,6 +23,7 @@ import fcntl
 import json
 import os
 import pathlib
+import secrets
 import sys
 import tempfile
 from typing import Any, Callable
@@ -28,9 +31,10 @@ from typing import Any, Callable
 from opdjax.core.errors import InputError
 
 __all__ = ["RESUME_MAY_CHANGE", "RunDirError", "check_metrics", "check_resume_config", "config_changes", "lock",
-           "previous_run", "truncate_metrics", "write_json", "write_text"]
+           "previous_run", "run_id", "truncate_metrics", "write_json", "write_text"]
 
 LOCK = ".opdjax.lock"
+RUN_ID = "run_id"
 RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json")
 
 
@@ -151,6 +155,22 @@ def lock(out_dir: str | pathlib.Path) -> _Lock:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} ({' '.join(sys.argv)[:200]})".encode(), 0)
     return _Lock(fd, path)
+
+
+def run_id(out_dir: str | pathlib.Path, fresh: bool) -> str:
+    """The id of the run in out_dir: the one out_dir/run_id holds (a resume), or a new one written there (a fresh
+    run, or a directory without one)."""
+    path = pathlib.Path(out_dir) / RUN_ID
+    if not fresh:
+        try:
+            text = path.read_text().strip()
+            if text.isalnum() and len(text) <= 64:
+                return text
+        except (OSError, UnicodeDecodeError):
+            pass
+    text = secrets.token_hex(8)
+    write_text(path, text + "\n")
+    return text
 
 
 def previous_run(out_dir: str | pathlib.Path) -> list[str]:

@@ -8,6 +8,13 @@ answers again is resynchronised before it serves: its model spec is checked agai
 now serves another model is refused for good) and it receives the newest published weights over the bridge. A
 401/400 is not retried (a wrong token or a bad request does not heal). `outages` records every down/up event.
 
+Runs. A server serves one run at a time (`lease`): every client binds each server on first contact (and again
+after the server restarts) with the run's `RunId`, sends the run's session with every request and publish, and
+releases the servers when the run ends (`close`). A server another run holds refuses the bind in one line
+(`ServerBusy`); a server taken over from this run fails its next call loudly (`ServerBusy`), never silently. A
+`RemoteEngine` samples nothing before this run has published its weights to the servers: the pipeline publishes
+the starting weights (or the resumed checkpoint's) first, and every rollout must carry this run's session.
+
 Versions. Every rollout carries the weight version that produced it (the protocol refuses a response without
 one). In sync mode a publish returns only when every live server has applied the version, and a rollout whose
 version is not the newest published is refused and its server resynchronised, so the loop never trains on a
@@ -17,21 +24,20 @@ rollout of unknown or unintended version; in async mode the loop's staleness bou
 from __future__ import annotations
 
 import dataclasses
-
-import json
 import logging
-import threading
-import time
-import urllib.error
-import urllib.request
+import os
+import socket
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from opdjax.core.errors import InputError, UnavailableError
+from opdjax.core.errors import InputError
 from opdjax.models.config import ModelConfig
 from opdjax.remote import protocol
+from opdjax.remote.lease import RunId
+from opdjax.remote.pool import (CallSettings, Pool, Server, ServerBusy, ServerDown, ServerRefused,
+                                ServersUnavailable, read_token)
 from opdjax.remote.server import spec_fingerprint
 from opdjax.rollout.base import RolloutBatch, SamplingParams
 from opdjax.sync import BridgeError, Manifest, ModelSpec, SnapshotTransport, TcpTransport
@@ -40,201 +46,8 @@ from opdjax.teacher.base import TeacherScores
 
 log = logging.getLogger("opdjax.remote")
 
-__all__ = ["CallSettings", "RemoteEngine", "RemoteTeacher", "ServerRefused", "ServersUnavailable", "read_token"]
-
-
-class ServerRefused(InputError):
-    """A server refused a request for a reason retrying cannot fix (token, model, request)."""
-
-
-class ServersUnavailable(UnavailableError):
-    """No server answered within the wait bound."""
-
-
-class _Down(Exception):
-    """One server failed this request (connection, timeout, 5xx): retry elsewhere."""
-
-
-class _NotFound(ServerRefused):
-    """The server has no such endpoint (HTTP 404)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CallSettings:
-    """How a client calls its servers (one value shared by `RemoteEngine` and `RemoteTeacher`).
-
-    timeout   seconds one generate/score request may take (`sync.request_timeout`)
-    retries   extra attempts of a failed share before the run waits for a server (`sync.retries`)
-    backoff   seconds before the first retry, doubled on each (exponential backoff)
-    wait_s    how long to wait, probing /health, when no server answers before `ServersUnavailable` (`sync.wait_s`)
-    """
-
-    timeout: float = 120.0
-    retries: int = 3
-    backoff: float = 0.5
-    wait_s: float = 60.0
-
-    def __post_init__(self):
-        for name in ("timeout", "backoff", "wait_s"):
-            if not float(getattr(self, name)) > 0:
-                raise InputError(f"CallSettings.{name} must be > 0, got {getattr(self, name)!r}")
-        if int(self.retries) != self.retries or self.retries < 0:
-            raise InputError(f"CallSettings.retries must be an integer >= 0, got {self.retries!r}")
-
-
-def read_token(path: str) -> str:
-    """The shared secret from a file (never from the command line); InputError when missing or empty."""
-    try:
-        token = open(path).read().strip()
-    except OSError as e:
-        raise InputError(f"token file {path!r}: {e.strerror or e}") from None
-    if not token:
-        raise InputError(f"token file {path!r} is empty; put the shared secret in it")
-    return token
-
-
-def _split(n: int, k: int) -> list[tuple[int, int]]:
-    """[start, end) of k contiguous near-equal shares of n rows (empty shares dropped)."""
-    bounds = np.linspace(0, n, k + 1).round().astype(int)
-    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-
-
-class _Server:
-    def __init__(self, endpoint: str, token: str, timeout: float):
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise InputError(f"endpoint {endpoint!r}: expected host:port")
-        self.endpoint, self.host, self.port = endpoint, host.strip("[]"), int(port)
-        self.url = f"http://{endpoint}"
-        self.token, self.timeout = token, timeout
-        self.up = False          # reachable and (for rollouts) synchronised
-        self.info: dict[str, Any] = {}
-        self.dialect = "opdjax"  # "opdjax": `opdjax serve --engine jax`; "vllm": vLLM's own server + opdjax extension
-
-    def fetch_info(self) -> dict[str, Any]:
-        """The server's opdjax info (role, model spec fingerprint, versions, bridge port); detects the dialect."""
-        try:
-            self.info, self.dialect = self.call("GET", "/v1/opdjax/info"), "opdjax"
-        except _NotFound:
-            try:
-                out = self.call("POST", "/collective_rpc", {"method": "opdjax_info"})
-            except _NotFound:
-                raise ServerRefused(f"{self.endpoint} is neither an opdjax server nor vLLM's server with the opdjax "
-                                    f"extension (start it with `opdjax serve`, or vllm serve with "
-                                    f"VLLM_SERVER_DEV_MODE=1 --worker-extension-cls "
-                                    f"opdjax.remote.vllm_server.OpdjaxWorker)") from None
-            self.info, self.dialect = out["results"][0], "vllm"
-        return self.info
-
-    def call(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Authorization": f"Bearer {self.token}",
-                                              "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
-                raw = r.read()
-                return json.loads(raw) if raw.strip() else {}
-        except urllib.error.HTTPError as e:
-            msg = _error_message(e)
-            if e.code == 404:
-                raise _NotFound(f"server {self.endpoint} has no {method} {path}: {msg}") from None
-            if e.code >= 500:
-                raise _Down(f"{self.endpoint}: HTTP {e.code} {msg}") from None
-            raise ServerRefused(f"server {self.endpoint} refused {method} {path}: HTTP {e.code} {msg}") from None
-        except (OSError, ValueError) as e:  # URLError, timeouts, resets, a torn JSON body
-            raise _Down(f"{self.endpoint}: {type(e).__name__}: {getattr(e, 'reason', e)}") from None
-
-
-def _error_message(e: urllib.error.HTTPError) -> str:
-    try:
-        body = json.loads(e.read())
-        return str(body["error"]["message"] if "error" in body else body.get("detail", body))
-    except Exception:  # noqa: BLE001  any unreadable error body
-        return e.reason or ""
-
-
-class _Pool:
-    """Servers of one role with the shared retry / wait / resync policy."""
-
-    def __init__(self, role: str, endpoints: Sequence[str], token: str, calls: CallSettings, *,
-                 check: Callable[[_Server], None], log_fn=None):
-        if not endpoints:
-            raise InputError(f"{role}.endpoints is empty; give host:port of at least one server")
-        self.role, self.calls = role, calls
-        self.servers = [_Server(e, token, calls.timeout) for e in endpoints]
-        self.check = check
-        self.outages: list[dict[str, Any]] = []
-        self.log = log_fn or log.info
-        self._lock = threading.Lock()
-
-    def mark_down(self, s: _Server, why: str) -> None:
-        with self._lock:
-            if s.up:
-                s.up = False
-                self.outages.append({"endpoint": s.endpoint, "event": "down", "time": time.time(), "why": why})
-                self.log(f"{self.role} server {s.endpoint} is down ({why}); continuing on the others")
-
-    def try_up(self, s: _Server) -> bool:
-        """Probe a down server; when it answers, check and resynchronise it. True when it is up."""
-        try:
-            s.call("GET", "/health", timeout=min(s.timeout, 5.0))
-            s.fetch_info()
-            self.check(s)
-        except _Down:
-            return False
-        except BridgeError as e:
-            log.warning("%s server %s: resync failed: %s", self.role, s.endpoint, e)
-            return False
-        with self._lock:
-            if not s.up:
-                s.up = True
-                if any(o["endpoint"] == s.endpoint for o in self.outages):
-                    self.outages.append({"endpoint": s.endpoint, "event": "up", "time": time.time()})
-                    self.log(f"{self.role} server {s.endpoint} is back (resynchronised)")
-        return True
-
-    def live(self) -> list[_Server]:
-        """The servers up now; probes the down ones; waits (bounded) while none is up."""
-        deadline = time.time() + self.calls.wait_s
-        delay = self.calls.backoff
-        while True:
-            for s in self.servers:
-                if not s.up:
-                    self.try_up(s)
-            up = [s for s in self.servers if s.up]
-            if up:
-                return up
-            if time.time() >= deadline:
-                raise ServersUnavailable(f"no {self.role} server answered within {self.calls.wait_s:.0f}s: "
-                                         + ", ".join(s.endpoint for s in self.servers))
-            time.sleep(min(delay, max(deadline - time.time(), 0.01)))
-            delay = min(delay * 2, 5.0)
-
-    def map(self, n: int, fn: Callable[[_Server, int, int, int], Any]) -> list[Any]:
-        """Split rows [0, n) over the live servers, call fn(server, start, end, share) in parallel, retry failed
-        shares on the remaining servers; the results in row order."""
-        pending = [(a, b, i) for i, (a, b) in enumerate(_split(n, len(self.live())))]
-        results: dict[int, Any] = {}
-        attempt = 0
-        while pending:
-            servers = self.live()
-            jobs = [(servers[j % len(servers)], a, b, i) for j, (a, b, i) in enumerate(pending)]
-            with ThreadPoolExecutor(max_workers=len(jobs)) as ex:
-                futs = [(ex.submit(fn, s, a, b, i), s, a, b, i) for s, a, b, i in jobs]
-                pending = []
-                for f, s, a, b, i in futs:
-                    try:
-                        results[i] = f.result()
-                    except _Down as e:
-                        self.mark_down(s, str(e))
-                        pending.append((a, b, i))
-            if pending:
-                attempt += 1
-                if attempt > self.calls.retries + len(self.servers):
-                    raise ServersUnavailable(f"{self.role}: rows {pending} failed {attempt} times")
-                time.sleep(self.calls.backoff * 2 ** min(attempt - 1, 5))
-        return [results[i] for i in sorted(results)]
+__all__ = ["CallSettings", "RemoteEngine", "RemoteTeacher", "ServerBusy", "ServerRefused", "ServersUnavailable",
+           "read_token"]
 
 
 class _FanOutLink:
@@ -258,6 +71,7 @@ class _FanOutLink:
         self.last: tuple[Manifest, list[Any]] | None = None
 
     def send(self, manifest: Manifest, arrays: Sequence[Any]) -> None:
+        manifest = dataclasses.replace(manifest, session=self.engine.run.session)  # the servers take only this run's
         self.last = (manifest, [np.asarray(a) for a in arrays])
         if self.snapshots is not None:
             self.snapshots.send(manifest, self.last[1])
@@ -275,7 +89,7 @@ class _FanOutLink:
         if not acked:  # none took it: wait (bounded) for one to come back; try_up pushes the weights
             pool.live()
 
-    def push(self, s: _Server, manifest: Manifest, arrays: Sequence[Any]) -> None:
+    def push(self, s: Server, manifest: Manifest, arrays: Sequence[Any]) -> None:
         """Give server `s` this version (over its bridge, or from the snapshot already written) and apply it."""
         if self.snapshots is not None:
             self._from_snapshot(s, manifest.version)
@@ -288,7 +102,7 @@ class _FanOutLink:
             _vllm_apply(s, manifest.version)
         s.info["received_version"] = manifest.version
 
-    def _from_snapshot(self, s: _Server, version: int) -> None:
+    def _from_snapshot(self, s: Server, version: int) -> None:
         root = (s.info.get("shm") or {}).get("root")
         if root != self.shm_root:
             raise ServerRefused(f"server {s.endpoint} reads snapshots from {root!r}, the run writes them to "
@@ -312,29 +126,43 @@ class _FanOutLink:
             self.snapshots.close()
 
 
-def _retag(s: _Server) -> None:
+def _retag(s: Server) -> None:
     """After a failed apply: tag every later token with the version the server says it serves now (a reload that
     failed part-way leaves it serving its checkpoint, v0), and empty its prefix cache. A server that is gone (it
     restarts itself when it cannot recover) is left to the outage logic."""
     try:
         info = s.call("POST", "/collective_rpc", {"method": "opdjax_info"})["results"][0]
-        s.call("POST", "/update_weight_version", {"new_version": str(int(info["version"]))})
+        s.call("POST", "/update_weight_version", {"new_version": _vllm_tag(int(info["version"]), s.session)})
         s.call("POST", "/reset_prefix_cache")
-    except (_Down, KeyError, IndexError, TypeError, ValueError):
+    except (ServerDown, KeyError, IndexError, TypeError, ValueError):
         pass
 
 
-def _vllm_apply(s: _Server, version: int) -> None:
+def _vllm_tag(version: int, session: str | None) -> str:
+    """The tag vLLM puts on every token it samples after an apply: "<version>@<session>"."""
+    return f"{int(version)}@{session or ''}"
+
+
+def _vllm_version(tag: Any, endpoint: str, row: int) -> tuple[int, str]:
+    """(version, session) of a vLLM weight tag; ProtocolError for a tag no opdjax run set (e.g. vLLM's "default")."""
+    version, at, session = str(tag).partition("@")
+    if not at or not version.lstrip("-").isdigit():
+        raise protocol.ProtocolError(f"{endpoint}: row {row} was sampled by weights tagged {str(tag)[:40]!r}, not "
+                                     f"an opdjax run's version (publish this run's weights first)")
+    return int(version), session
+
+
+def _vllm_apply(s: Server, version: int) -> None:
     """Make vLLM's server serve the staged `version`: requests in flight finish on the old weights, then the
     weights are loaded, every later token is tagged `version`, and the prefix cache is emptied."""
     s.call("POST", "/pause?mode=wait")
     try:
         try:
             s.call("POST", "/collective_rpc", {"method": "opdjax_apply", "args": [str(int(version))]})
-        except _Down as e:  # vLLM answers a failed RPC with a 500; it is not a dead server
+        except ServerDown as e:  # vLLM answers a failed RPC with a 500; it is not a dead server
             _retag(s)
             raise BridgeError(f"{s.endpoint} could not apply v{version}: {e}") from None
-        s.call("POST", "/update_weight_version", {"new_version": str(int(version))})
+        s.call("POST", "/update_weight_version", {"new_version": _vllm_tag(version, s.session)})
         s.call("POST", "/reset_prefix_cache")
     finally:
         s.call("POST", "/resume")
@@ -347,18 +175,31 @@ class RemoteEngine:
     Publisher sends through. The servers must serve `cfg`'s model (checked by spec fingerprint).
     """
 
+    shared = True  # the servers outlive the run and may hold other weights: a run publishes its own first
+
     def __init__(self, endpoints: Sequence[str], token: str, cfg: ModelConfig, *, pad_id: int,
                  calls: CallSettings = CallSettings(), sync: bool = True, publish_timeout: float = 60.0,
-                 transport: str = "tcp", shm_root: str | None = None, log_fn=None):
+                 transport: str = "tcp", shm_root: str | None = None, run: RunId | None = None, log_fn=None):
         self.cfg, self.pad_id, self.sync = cfg, int(pad_id), bool(sync)
+        self.run = run or RunId.fresh(_default_label())
         self.published: int | None = None
         self.link = _FanOutLink(self, publish_timeout, transport, shm_root)
-        self.pool = _Pool("rollout", endpoints, token, calls, check=self._check, log_fn=log_fn)
-        self.pool.live()  # at least one server at start
-        dtypes = {s.info.get("dtype") for s in self.pool.servers if s.up}
-        if len(dtypes) != 1:
-            raise ServerRefused(f"rollout servers serve different dtypes {sorted(map(str, dtypes))}")
+        self.pool = Pool("rollout", endpoints, token, calls, check=self._check, run=self.run, log_fn=log_fn)
+        try:
+            self.pool.live()  # at least one server at start
+            dtypes = {s.info.get("dtype") for s in self.pool.servers if s.up}
+            if len(dtypes) != 1:
+                raise ServerRefused(f"rollout servers serve different dtypes {sorted(map(str, dtypes))}")
+        except BaseException:
+            self.pool.release()
+            raise
         self.spec = ModelSpec.from_config(cfg, np_dtype(dtypes.pop()))
+
+    def close(self, release: bool = True) -> None:
+        """The run is over: free the servers for the next run (`release=False`: leave that to another process of
+        this run)."""
+        if release:
+            self.pool.release()
 
     @property
     def version(self) -> int:
@@ -372,7 +213,7 @@ class RemoteEngine:
     def outages(self) -> list[dict[str, Any]]:
         return self.pool.outages
 
-    def _check(self, s: _Server) -> None:
+    def _check(self, s: Server) -> None:
         info = s.info
         if info.get("role") != "rollout":
             raise ServerRefused(f"{s.endpoint} is a {info.get('role')!r} server, expected a rollout server")
@@ -381,36 +222,42 @@ class RemoteEngine:
             raise ServerRefused(f"rollout server {s.endpoint} serves another model ({info.get('model_type')}, spec "
                                 f"{str(info.get('spec_sha256'))[:12]}) than the learner's ({self.cfg.model_type}, "
                                 f"{want[:12]}); restart it with the student's checkpoint")
+        self.pool.bind(s)
         last = self.link.last
-        have = int(info.get("received_version", -1))
+        have = int(info.get("received_version", -1))  # -1: this session is new to the server (it restarted)
         behind = self.published is not None and have < self.published
         if self.sync and self.published is not None and s.dialect != "vllm":  # what it serves must be the version
             behind = behind or int(info.get("version", have)) != self.published  # (weights changed behind the run)
-        if behind and last is not None:  # it missed versions (restarted) or serves another: give it the run's newest
-            self.link.push(s, dataclasses.replace(last[0], rewind=True), last[1])  # whatever it held before
+        served = max(have, int(info.get("version", have)))
+        if last is not None and served > self.published:
+            raise ServerRefused(f"rollout server {s.endpoint} serves v{served}, newer than this run's newest "
+                                f"v{self.published}: its weights were changed by something other than this run; "
+                                f"restart it (this run never rewinds a server)")
+        if behind and last is not None:  # it missed versions (restarted): give it the run's newest
+            self.link.push(s, last[0], last[1])
         elif behind:  # another learner process publishes; wait until it has resynchronised this server
-            raise _Down(f"serves v{info.get('received_version')}, the run is at v{self.published}")
-        if s.dialect == "vllm":  # a fresh vLLM server tags its tokens "default": give them the served version
-            served = str(int(s.info.get("received_version", 0)))
-            if str(s.call("GET", "/weight_info").get("weight_version")) != served:
-                s.call("POST", "/update_weight_version", {"new_version": served})
+            raise ServerDown(f"serves v{info.get('received_version')}, the run is at v{self.published}")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> RolloutBatch:
         """Sample one completion per prompt, the rows shared over the live servers (share i uses seed + i)."""
         prompts = [list(map(int, p)) for p in prompts]
         if not prompts:
             raise ValueError("generate: no prompts")
+        if self.published is None:
+            raise InputError("RemoteEngine.generate before this run published its weights: the servers may hold "
+                             "another run's; publish the starting weights first")
 
-        def one(s: _Server, a: int, b: int, i: int) -> dict:
+        def one(s: Server, a: int, b: int, i: int) -> dict:
             if s.dialect == "vllm":
                 resp = _vllm_generate(s, prompts[a:b], sampling, seed + 7919 * i)
             else:
                 resp = s.call("POST", "/v1/completions", protocol.completion_request(prompts[a:b], sampling,
                                                                                      seed + 7919 * i))
+            _check_session(s, resp, self.run.session)
             vs = {c.get("weight_version") for c in resp.get("choices", [])}
             if self.sync and self.published is not None and vs != {self.published}:
                 s.info["received_version"] = -1
-                raise _Down(f"answered with weight version(s) {sorted(map(str, vs))}, expected v{self.published}")
+                raise ServerDown(f"answered with weight version(s) {sorted(map(str, vs))}, expected v{self.published}")
             return resp
 
         resps = self.pool.map(len(prompts), one)
@@ -422,7 +269,21 @@ class RemoteEngine:
         return protocol.rollout_batch(prompts, {"choices": choices}, sampling, self.pad_id)
 
 
-def _vllm_generate(s: _Server, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+def _check_session(s: Server, resp: dict[str, Any], session: str) -> None:
+    """Every choice must have been sampled for this run's session (ServerBusy otherwise: another run's weights)."""
+    got = [c.get("session") for c in resp.get("choices", [])]
+    if any(g != session for g in got):
+        other = sorted({str(g) for g in got if g != session})
+        raise ServerBusy(f"rollout server {s.endpoint} answered for session(s) {other}, not this run's {session}: "
+                         f"another run holds it; this run stops before it trains on that rollout")
+
+
+def _default_label() -> str:
+    """host:pid of this process (a run that names itself no better)."""
+    return f"{socket.gethostname()}:pid{os.getpid()}"
+
+
+def _vllm_generate(s: Server, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                    seed: int) -> dict[str, Any]:
     """Rows sampled by vLLM's token-in-token-out endpoint (one request per row, concurrently), as the completions
     response `protocol.rollout_batch` reads; each row's version: the oldest of its tokens' `weight_versions`."""
@@ -436,15 +297,13 @@ def _vllm_generate(s: _Server, prompts: Sequence[Sequence[int]], sampling: Sampl
                                     "top_k": int(sampling.top_k), "seed": (int(seed) * 1_000_003 + j) & 0x7FFFFFFF,
                                     "stop_token_ids": stop, "logprobs": 0, "detokenize": False}}
         c = s.call("POST", "/inference/v1/generate", body)["choices"][0]
-        spans = c.get("weight_versions") or []
-        try:
-            version = min(int(sp["version"]) for sp in spans) if spans else None
-        except ValueError:
-            raise protocol.ProtocolError(f"{s.endpoint}: row {j} was sampled by weights tagged "
-                                         f"{[sp['version'] for sp in spans]}, not an opdjax version") from None
+        tags = [_vllm_version(sp["version"], s.endpoint, j) for sp in c.get("weight_versions") or []]
+        sessions = {t[1] for t in tags}
         content = (c.get("logprobs") or {}).get("content") or []
         return {"index": j, "token_ids": c.get("token_ids"), "finish_reason": c.get("finish_reason"),
-                "logprobs": {"token_logprobs": [x["logprob"] for x in content]}, "weight_version": version}
+                "logprobs": {"token_logprobs": [x["logprob"] for x in content]},
+                "weight_version": min(t[0] for t in tags) if tags else None,
+                "session": sessions.pop() if len(sessions) == 1 else sorted(sessions)}
 
     with ThreadPoolExecutor(max_workers=min(len(prompts), 32)) as ex:
         return {"choices": list(ex.map(row, range(len(prompts))))}
@@ -453,17 +312,29 @@ def _vllm_generate(s: _Server, prompts: Sequence[Sequence[int]], sampling: Sampl
 class RemoteTeacher:
     """A Teacher whose scores come from teacher servers (rows shared over them); see the module docstring."""
 
+    shared = True  # the servers outlive the run: bound to it while it runs, freed by `close`
+
     def __init__(self, endpoints: Sequence[str], token: str, cfg: ModelConfig, *, temperature: float,
-                 calls: CallSettings = CallSettings(), log_fn=None):
+                 calls: CallSettings = CallSettings(), run: RunId | None = None, log_fn=None):
         self.cfg, self.temperature = cfg, float(temperature)
-        self.pool = _Pool("teacher", endpoints, token, calls, check=self._check, log_fn=log_fn)
-        self.pool.live()
+        self.run = run or RunId.fresh(_default_label())
+        self.pool = Pool("teacher", endpoints, token, calls, check=self._check, run=self.run, log_fn=log_fn)
+        try:
+            self.pool.live()
+        except BaseException:
+            self.pool.release()
+            raise
+
+    def close(self, release: bool = True) -> None:
+        """The run is over: free the teacher servers for the next run (`release=False`: another process does)."""
+        if release:
+            self.pool.release()
 
     @property
     def outages(self) -> list[dict[str, Any]]:
         return self.pool.outages
 
-    def _check(self, s: _Server) -> None:
+    def _check(self, s: Server) -> None:
         info = s.info
         if info.get("role") != "teacher":
             raise ServerRefused(f"{s.endpoint} is a {info.get('role')!r} server, expected a teacher server")
@@ -474,6 +345,7 @@ class RemoteTeacher:
         if abs(float(info.get("temperature", 1.0)) - self.temperature) > 1e-9:
             raise ServerRefused(f"teacher server {s.endpoint} scores at temperature {info.get('temperature')}, the "
                                 f"run asks for teacher.temperature={self.temperature}")
+        self.pool.bind(s)
 
     def score(self, tokens_BT: np.ndarray, valid_BT: np.ndarray, needs: frozenset[str] = frozenset({"teacher_logp"}),
               top_k: int = 16) -> TeacherScores:
@@ -483,7 +355,7 @@ class RemoteTeacher:
         k = top_k if "teacher_topk" in needs else 0
         tokens_BT, valid_BT = np.asarray(tokens_BT), np.asarray(valid_BT, bool)
 
-        def one(s: _Server, a: int, b: int, i: int) -> TeacherScores:
+        def one(s: Server, a: int, b: int, i: int) -> TeacherScores:
             resp = s.call("POST", "/v1/completions", protocol.score_request(tokens_BT[a:b], valid_BT[a:b], k))
             return protocol.teacher_scores(tokens_BT[a:b], valid_BT[a:b], resp, k)
 

@@ -1,7 +1,10 @@
 """An engine server: a rollout engine or a teacher in its own process, behind the `protocol` HTTP API.
 
     GET  /health              liveness ({"ok": true}); no token needed, returns no model output
-    GET  /v1/opdjax/info      role, model spec fingerprint, served version, bridge port, teacher temperature
+    GET  /v1/opdjax/info      role, model spec fingerprint, served version, bridge port, teacher temperature,
+                              the run that holds the server
+    POST /v1/opdjax/bind      bind the server to a run (`lease`); 409 naming the holder when another run has it
+    POST /v1/opdjax/release   free it (the holding session only)
     POST /v1/completions      rollouts (role "rollout") or prompt log-probs (role "teacher"); see `protocol`
     POST /v1/opdjax/poll_snapshot   (with `shm_root`) apply the newest snapshot a same-host learner wrote there
 
@@ -12,6 +15,11 @@ with `shm_root` it reads the snapshots a `SnapshotTransport` writes into that di
 a client only asks it to look), validated and applied the same way. Every endpoint but /health needs `Authorization: Bearer <token>`
 (compared in constant time); a wrong or missing token gets 401 and is logged. The server binds 127.0.0.1 unless
 told otherwise. Requests are served one at a time per engine (a lock), publishes concurrently with them.
+
+A server serves one run at a time (`lease.Lease`): once a run has bound it, requests and publishes of any other
+session are refused with HTTP 409 (error type `lease_<kind>`), a rollout server samples for a new session only after
+that session's first publish, and every rollout choice names the run and session it was sampled for. A client that
+never binds is served only while no run holds the server.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ from typing import Any
 import numpy as np
 
 from opdjax.remote import protocol
-from opdjax.sync import ModelSpec, SnapshotWatcher, TcpReceiverServer
+from opdjax.remote.lease import DEFAULT_IDLE_TIMEOUT, SESSION_HEADER, Lease, LeaseError
+from opdjax.sync import BridgeError, ModelSpec, SnapshotWatcher, TcpReceiverServer
 
 log = logging.getLogger("opdjax.serve")
 
@@ -74,11 +83,13 @@ class EngineServer:
     """Serve `engine` (role "rollout") or `teacher` (role "teacher"); see the module docstring.
 
     token: the shared secret (str). port / bridge_port 0: pick free ports (`self.port`, `self.bridge_port`).
+    lease_timeout: seconds without a call from the run that holds the server before another run may bind it.
     """
 
     def __init__(self, *, token: str, engine=None, teacher=None, host: str = "127.0.0.1", port: int = 0,
                  bridge_port: int = 0, model_name: str = "opdjax", publish_timeout: float = 600.0,
-                 shm_root: str | None = None, limits: protocol.ServerLimits = protocol.ServerLimits()):
+                 shm_root: str | None = None, limits: protocol.ServerLimits = protocol.ServerLimits(),
+                 lease_timeout: float = DEFAULT_IDLE_TIMEOUT):
         if (engine is None) == (teacher is None):
             raise ValueError("EngineServer serves exactly one of engine= or teacher=")
         if not token:
@@ -91,8 +102,10 @@ class EngineServer:
         self.refusal_log = RefusalLog(per_min=limits.refusal_log_per_min)
         self.refusals = self.refusal_log.recent  # the last refusals (bounded); refusal_log.count counts them all
         self._lock = threading.Lock()
+        self.lease = Lease(lease_timeout, on_new_session=engine.receiver.restart_order if engine is not None else None)
         self.bridge: TcpReceiverServer | None = None
         if engine is not None:
+            engine.receiver.gate = self._gate
             self.bridge = TcpReceiverServer(engine.receiver, token, host=host, port=bridge_port,
                                             timeout=publish_timeout, idle_timeout=limits.transfer_idle_timeout)
         self.shm_root = str(shm_root) if shm_root and engine is not None else None
@@ -159,11 +172,29 @@ class EngineServer:
             return {"role": self.role, "model": self.model_name, "model_type": spec.model_type, "dtype": spec.dtype,
                     "spec_sha256": spec_fingerprint(spec), "version": int(self.engine.version),
                     "received_version": int(self.engine.receiver.received_version),
-                    "bridge": {"transport": "tcp", "port": self.bridge_port},
+                    "bridge": {"transport": "tcp", "port": self.bridge_port}, "lease": self.lease.info(),
                     **({"shm": {"root": self.shm_root}} if self.shm_root else {})}
         cfg = self.teacher.cfg
         return {"role": self.role, "model": self.model_name, "model_type": cfg.model_type,
-                "vocab_size": cfg.vocab_size, "temperature": float(getattr(self.teacher, "temperature", 1.0))}
+                "vocab_size": cfg.vocab_size, "temperature": float(getattr(self.teacher, "temperature", 1.0)),
+                "lease": self.lease.info()}
+
+    def _gate(self, manifest) -> None:
+        """The weight receiver's check of a publish: it must come from the session that holds the server."""
+        try:
+            self.lease.admit(manifest.session)
+        except LeaseError as e:
+            raise BridgeError(str(e)) from None
+
+    def _admit(self, h: BaseHTTPRequestHandler) -> str | None:
+        """The request's session, admitted by the lease (LeaseError otherwise); a rollout server samples for a
+        session only after its first publish."""
+        session = h.headers.get(SESSION_HEADER)
+        self.lease.admit(session)
+        if self.engine is not None and self.lease.holder is not None and self.engine.receiver.received_version < 0:
+            raise LeaseError("unpublished", "this run has published no weights to this server yet; publish the "
+                                            "starting weights before the first rollout")
+        return session
 
     def _authorized(self, h: BaseHTTPRequestHandler) -> bool:
         got = h.headers.get("Authorization", "")
@@ -181,15 +212,23 @@ class EngineServer:
                 return _reply(h, 401, {"error": {"message": "missing or wrong bearer token", "type": "auth"}})
             if method == "GET" and path == "/v1/opdjax/info":
                 return _reply(h, 200, self.info())
+            if method == "POST" and path in ("/v1/opdjax/bind", "/v1/opdjax/release"):
+                return self._lease_call(h, path)
             if method == "POST" and path == "/v1/opdjax/poll_snapshot" and self.watcher is not None:
+                self.lease.admit(h.headers.get(SESSION_HEADER))
                 self.watcher.poll()  # a refused snapshot raises BridgeError (a ValueError): 400 with the reason
                 return _reply(h, 200, {"received_version": int(self.engine.receiver.received_version)})
             if method == "POST" and path == "/v1/completions":
                 body = _read_json(h, self.limits.max_body_bytes)
                 with self._lock:
+                    session = self._admit(h)
                     out = self._complete(body)
-                return _reply(h, 200, out)
+                return _reply(h, 200, _tagged(out, self.lease, session))
             return _reply(h, 404, {"error": {"message": f"no endpoint {method} {path}", "type": "not_found"}})
+        except LeaseError as e:  # another run holds the server, or this one lost it: 409, named
+            if e.kind in ("held", "lost"):
+                self.refusal_log.add(f"refused {method} {path} from {h.client_address[0]}: {e}")
+            return _reply(h, 409, {"error": {"message": str(e), "type": f"lease_{e.kind}"}})
         except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:  # bad request content, named
             return _reply(h, 400, {"error": {"message": f"{type(e).__name__}: {str(e)[:500]}",
                                              "type": "invalid_request"}})
@@ -199,6 +238,13 @@ class EngineServer:
         except Exception as e:  # noqa: BLE001  the server keeps serving; the client sees a 500 and retries
             log.exception("request %s %s failed", method, path)
             return _reply(h, 500, {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
+
+    def _lease_call(self, h: BaseHTTPRequestHandler, path: str) -> None:
+        body = _read_json(h, 4096)
+        if path.endswith("/bind"):
+            return _reply(h, 200, {**self.lease.bind(body), "received_version":
+                                   None if self.engine is None else int(self.engine.receiver.received_version)})
+        return _reply(h, 200, {"released": self.lease.release(body.get("session"))})
 
     def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.engine is not None:
@@ -217,6 +263,15 @@ class EngineServer:
         needs = frozenset({"teacher_logp", "teacher_topk"} if k else {"teacher_logp"})
         scores = self.teacher.score(tokens, valid, needs, top_k=k)
         return protocol.score_response(scores, tokens, valid, k, self.model_name)
+
+
+def _tagged(out: dict[str, Any], lease: Lease, session: str | None) -> dict[str, Any]:
+    """The response with the run and session it was computed for on it and on every choice (none when unbound)."""
+    h = lease.holder
+    if h is None or session is None:
+        return out
+    tag = {"run": h.run, "session": session}
+    return {**out, **tag, "choices": [{**c, **tag} for c in out.get("choices", [])]}
 
 
 class RefusalLog:

@@ -20,6 +20,10 @@ The extension points, and what each carries:
   (names, shapes, dtypes, checksums), then staged; `opdjax_apply(version)` loads the staged tensors in one
   `reload_weights` call, between engine steps. On the learner's host, OPDJAX_SHM_ROOT=DIR lets
   `opdjax_poll_snapshot()` stage the newest shared-memory snapshot a `SnapshotTransport` wrote into DIR instead.
+* One run at a time (`lease`): `opdjax_bind(json)` / `opdjax_release(session)` bind and free the server; a publish
+  from any other session is refused by the worker's receiver, and every token vLLM samples after an apply is tagged
+  `<version>@<session>`, so a client sees whose weights sampled each rollout. vLLM's own generation endpoint cannot
+  refuse an unbound caller: the tag is the guard there (the client refuses a rollout of another session).
 * `--middleware RequireToken`: every path except GET /health and /ping needs `Authorization: Bearer <secret>`
   (the secret read from the file OPDJAX_TOKEN_FILE names, never from the command line); refusals are logged.
   vLLM's own `--api-key` guards only /v1, /inference, ... and not the RL routes, so it is not enough here.
@@ -46,10 +50,11 @@ import numpy as np
 
 from opdjax.models.config import ModelConfig
 from opdjax.remote.client import read_token
+from opdjax.remote.lease import DEFAULT_IDLE_TIMEOUT, Lease, LeaseError
 from opdjax.remote.server import spec_fingerprint
 from opdjax.rollout import vllm_fp8_cpu
 from opdjax.rollout.vllm_engine import recover_from_failed_reload, to_torch
-from opdjax.sync import ModelSpec, SnapshotWatcher, TcpReceiverServer, WeightReceiver
+from opdjax.sync import BridgeError, ModelSpec, SnapshotWatcher, TcpReceiverServer, WeightReceiver
 from opdjax.sync.manifest import np_dtype
 
 log = logging.getLogger("opdjax.remote")
@@ -75,6 +80,7 @@ def _flag(key: str, value: Any) -> list[str]:
 def vllm_command(model: str, *, role: str, token_file: str, host: str = "127.0.0.1", port: int = 8000,
                  bridge_host: str | None = None, bridge_port: int = 0, shm_root: str | None = None,
                  llm_kwargs: Mapping[str, Any] = (), fp8_emulation: str | None = None,
+                 lease_timeout: float = DEFAULT_IDLE_TIMEOUT,
                  python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) starting vLLM's own server for opdjax (see the module docstring).
 
@@ -97,7 +103,8 @@ def vllm_command(model: str, *, role: str, token_file: str, host: str = "127.0.0
         if v is not None:
             argv += _flag(k, v)
     env = {"VLLM_SERVER_DEV_MODE": "1", "OPDJAX_TOKEN_FILE": str(token_file), "OPDJAX_ROLE": role,
-           "OPDJAX_BRIDGE_HOST": bridge_host or host, "OPDJAX_BRIDGE_PORT": str(int(bridge_port))}
+           "OPDJAX_BRIDGE_HOST": bridge_host or host, "OPDJAX_BRIDGE_PORT": str(int(bridge_port)),
+           "OPDJAX_LEASE_TIMEOUT": str(float(lease_timeout))}
     if shm_root:
         env["OPDJAX_SHM_ROOT"] = str(shm_root)
     if fp8_emulation:
@@ -164,6 +171,9 @@ class _State:
         self.role = os.environ.get("OPDJAX_ROLE", "rollout")
         self.target = _Staging()
         self.receiver = WeightReceiver(self.target, self.spec, name="vllm server")
+        self.lease = Lease(float(os.environ.get("OPDJAX_LEASE_TIMEOUT") or DEFAULT_IDLE_TIMEOUT),
+                           on_new_session=self.receiver.restart_order if self.role == "rollout" else None)
+        self.receiver.gate = self.gate
         self.bridge = self.watcher = None
         self.shm_root = os.environ.get("OPDJAX_SHM_ROOT") or None
         if self.role == "rollout" and self.shm_root:
@@ -173,6 +183,14 @@ class _State:
                                             host=os.environ.get("OPDJAX_BRIDGE_HOST", "127.0.0.1"),
                                             port=int(os.environ.get("OPDJAX_BRIDGE_PORT") or 0),
                                             idle_timeout=float(os.environ.get("OPDJAX_BRIDGE_IDLE_TIMEOUT") or 30)).start()
+
+
+    def gate(self, manifest) -> None:
+        """A publish must come from the session that holds the server (`lease`)."""
+        try:
+            self.lease.admit(manifest.session)
+        except LeaseError as e:
+            raise BridgeError(str(e)) from None
 
 
 _LOCK = threading.Lock()
@@ -213,12 +231,27 @@ class OpdjaxWorker:
         info = {"role": st.role, "model": st.path, "model_type": st.cfg.model_type, "engine": "vllm",
                 "vllm": vllm.__version__, "vocab_size": st.cfg.vocab_size, "eos_token_id": st.cfg.eos_token_id,
                 "temperature": 1.0, "dtype": st.spec.dtype, "spec_sha256": st.fingerprint,
-                "version": st.target.version, "received_version": st.target.version}
+                "version": st.target.version, "received_version": st.receiver.received_version,
+                "lease": st.lease.info()}
         if st.bridge is not None:
             info["bridge"] = {"transport": "tcp", "port": st.bridge.port}
         if st.watcher is not None:
             info["shm"] = {"root": st.shm_root}
         return info
+
+    def opdjax_bind(self, body: str) -> dict[str, Any]:
+        """Bind this server to a run (`lease`; the body is a `RunId.bind_body` as JSON): {"ok": true, ...} or
+        {"ok": false, "error": ...} naming the run that holds it."""
+        st = self._opdjax()
+        try:
+            out = st.lease.bind(json.loads(body))
+        except (LeaseError, ValueError) as e:
+            return {"ok": False, "error": str(e)}
+        return {"ok": True, **out, "received_version": st.receiver.received_version}
+
+    def opdjax_release(self, session: str) -> dict[str, Any]:
+        """Free this server if `session` holds it."""
+        return {"released": self._opdjax().lease.release(session)}
 
     def opdjax_weights(self) -> dict[str, Any]:
         """What the served model holds per Linear (vLLM's own parameters): {module: {"dtype", "scale"}} — FP8 layers

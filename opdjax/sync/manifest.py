@@ -304,7 +304,8 @@ class Manifest:
     entries: tuple[TensorEntry, ...]
     recipe: str | None = None
     format: str = FORMAT
-    rewind: bool = False  # a resumed learner republishing its checkpoint: the one publish whose version may go back
+    rewind: bool = False  # a direct replacement in-process (never sent to a server: a bound server refuses it)
+    session: str | None = None  # the publishing run's session (`remote.lease`); a bound server takes only its own
 
     @property
     def total_bytes(self) -> int:
@@ -317,6 +318,7 @@ class Manifest:
     def to_json(self) -> str:
         return json.dumps({"format": self.format, "version": self.version, "model_type": self.model_type,
                            "dtype": self.dtype, "recipe": self.recipe, "rewind": self.rewind,
+                           "session": self.session,
                            "entries": [e.to_dict() for e in self.entries]}, separators=(",", ":"))
 
     @classmethod
@@ -330,10 +332,14 @@ class Manifest:
             raise BridgeError(f"manifest format {got!r} is not {FORMAT!r}")
         if not isinstance(d.get("rewind", False), bool):
             raise BridgeError(f"malformed manifest: 'rewind' must be true or false, got {d.get('rewind')!r:.40}")
+        session = d.get("session")
+        if session is not None and (not isinstance(session, str) or not 0 < len(session) <= 64):
+            raise BridgeError(f"malformed manifest: 'session' must be a string of 1-64 characters or null, got "
+                              f"{session!r:.40}")
         try:
             return cls(version=int(d["version"]), model_type=str(d["model_type"]), dtype=str(d["dtype"]),
                        entries=tuple(TensorEntry.from_dict(e) for e in d["entries"]), recipe=d.get("recipe"),
-                       rewind=d.get("rewind", False))
+                       rewind=d.get("rewind", False), session=session)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, BridgeError):
                 raise

@@ -85,7 +85,8 @@ def prepare(cfg: ModelConfig, params: nnx.State | Mapping[str, Any], version: in
             recipe: quant.Recipe | str | None = None, checksums: bool = True,
             rewind: bool = False) -> tuple[Manifest, list[Any]]:
     """(manifest, arrays in payload order) of one publish. checksums=False skips the CRC-32s (in-process); rewind
-    marks a resumed learner's republish, the one publish whose version may be older than the engine's."""
+    marks an in-process direct replacement (`update_weights`), which may carry any version (a server bound to a run
+    refuses it: there a new run session restarts the version order)."""
     triples = list(hf_stream(cfg, params, dtype=dtype, recipe=recipe))
     rec = quant.as_recipe(recipe)
     if checksums:
@@ -113,8 +114,8 @@ class Publisher:
 
     def publish(self, params: nnx.State | Mapping[str, Any], version: int, *, rewind: bool = False
                 ) -> Manifest | None:
-        """Send params as `version` (engines refuse a version older than they received unless `rewind`: a resumed
-        learner republishing its checkpoint)."""
+        """Send params as `version` (engines refuse a version older than they received, unless `rewind`: an
+        in-process direct replacement)."""
         t0 = time.perf_counter()
         manifest, arrays = prepare(self.cfg, params, version, dtype=self.dtype, recipe=self.recipe,
                                    checksums=getattr(self.transport, "needs_checksums", True), rewind=rewind)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -74,7 +74,9 @@ class WeightReceiver:
         self.verify_checksums = bool(verify_checksums)
         self.name = name
         self.refusals: list[str] = []
+        self.gate: Callable[[Manifest], None] | None = None  # a server's run lease: raises BridgeError to refuse
         self._received: int | None = None
+        self._fresh = False  # a new run session began: its first publish may carry any version
         self._lock = threading.Lock()
 
     @property
@@ -84,8 +86,16 @@ class WeightReceiver:
 
     @property
     def received_version(self) -> int:
-        """The newest version this receiver has applied (or the served one, before any)."""
+        """The newest version this receiver has applied (or the served one, before any); -1 after `restart_order`
+        until the next publish is applied."""
+        if self._fresh:
+            return -1
         return self.version if self._received is None else max(self._received, self.version)
+
+    def restart_order(self) -> None:
+        """A new run session binds the server: its first publish may carry any version, later ones go forward."""
+        with self._lock:
+            self._fresh = True
 
     def refuse(self, message: str, cause: BaseException | None = None) -> BridgeError:
         """Log and record a refusal; returns the BridgeError to raise."""
@@ -101,10 +111,17 @@ class WeightReceiver:
         """Validate a manifest against the spec only (transports call this before moving any payload)."""
         if manifest.version < 0:
             raise self.refuse(f"manifest v{manifest.version} rejected: a weight version is a non-negative integer")
+        if self.gate is not None:
+            if manifest.rewind:
+                raise self.refuse(f"manifest v{manifest.version} rejected: a server bound to a run takes no rewind; "
+                                  f"a resumed run binds a new session, whose first publish may carry any version")
+            try:
+                self.gate(manifest)
+            except BridgeError as e:
+                raise self.refuse(f"manifest v{manifest.version} rejected: {e}") from None
         if manifest.version < self.received_version and not manifest.rewind:
             raise self.refuse(f"manifest v{manifest.version} rejected: versions only go forward (this engine has "
-                              f"received v{self.received_version}); a resumed learner republishes its checkpoint "
-                              f"with rewind=true")
+                              f"received v{self.received_version})")
         try:
             validate(manifest, self.spec, served_version=self.version)
         except BridgeError as e:
@@ -153,7 +170,7 @@ class WeightReceiver:
             raise self.refuse(str(e)) from None
         except Exception as e:  # the target promises all-or-nothing; report what failed
             raise self.refuse(f"v{v}: applying the update failed ({type(e).__name__}: {e})", e) from e
-        self._received = v
+        self._received, self._fresh = v, False
         log.info("%s now serves weight version %d (%d tensors, %.1f MB)", self.name, v, len(arrays),
                  manifest.total_bytes / 1e6)
 

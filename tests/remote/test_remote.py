@@ -1,6 +1,7 @@
 """Engine servers over loopback: the wire format is lossless, a run against servers trains as in-process, tokens
 are enforced, a dead or restarted server is survived and resynchronised, a server of another model is refused."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -71,10 +72,11 @@ def test_a_run_against_servers_trains_as_the_same_run_in_process(pair, tmp_path,
 
 
 @pytest.mark.slow  # two short runs against servers
-def test_a_resumed_run_rewinds_a_server_that_holds_later_versions(pair, tmp_path, token_file):
-    """Issue 29: versions only go forward, except a resumed learner's republish. The run dies after its step-4
-    results but its newest checkpoint is step 2: the server holds v4, the resumed learner republishes v2 (rewind)
-    and trains on from there, every rollout of the version it expects."""
+def test_a_resumed_run_republishes_its_checkpoint_to_a_server_that_holds_later_versions(pair, tmp_path, token_file):
+    """Versions only go forward within a session; a resumed launch is a new session of the same run. The run dies
+    after its step-4 results but its newest checkpoint is step 2: the server holds v4, the resumed launch binds it
+    again (same run id), publishes v2 as its session's first version and trains on from there, every rollout of the
+    version it expects."""
     import shutil
 
     with EngineServer(engine=_engine(pair[0]), token=TOKEN) as rs:
@@ -174,6 +176,11 @@ def test_a_server_on_this_host_takes_weights_from_shared_memory(pair, tmp_path):
         assert (batch.version_B == 1).all()
 
         manifest, arrays = prepare(cfg, params, 2, dtype="float32")
+        foreign = [np.array(x, copy=True) for x in arrays]
+        remote.link.snapshots.send(manifest, foreign)  # no session: not this run's, whatever its bytes
+        with pytest.raises(BridgeError, match="serves run"):
+            remote.link.push(remote.pool.servers[0], manifest, foreign)
+        manifest = dataclasses.replace(manifest, version=3, session=remote.run.session)
         bad = [np.array(x, copy=True) for x in arrays]
         bad[0] += 1.0  # bytes that no longer match the manifest's CRC-32
         remote.link.snapshots.send(manifest, bad)
@@ -185,7 +192,7 @@ def test_a_server_on_this_host_takes_weights_from_shared_memory(pair, tmp_path):
         other = RemoteEngine([f"127.0.0.1:{c.port}"], TOKEN, cfg, pad_id=0, transport="shm",
                              shm_root=str(root), calls=CallSettings(wait_s=5))
         with pytest.raises(ServerRefused, match="--shm-root"):
-            Publisher(cfg, other.link, dtype="float32").publish(params, 3)
+            Publisher(cfg, other.link, dtype="float32").publish(params, 4)
 
 
 def test_client_error_paths_are_clear(pair, tmp_path):
@@ -221,8 +228,9 @@ def test_client_error_paths_are_clear(pair, tmp_path):
 
 
 def test_a_row_of_the_wrong_version_is_never_trained_on(pair):
-    """Issue 29 audit: a server answering with a version other than the newest published (its weights changed behind
-    the run's back) is marked down and resynchronised; the rows the loop gets carry the published version."""
+    """A server answering with a version other than the newest published is marked down; one whose weights were
+    changed behind the run's back to a newer version is refused loudly (the run never rewinds a server), one that
+    fell behind is resynchronised forward; the rows the loop gets carry the published version."""
     mcfg = ModelConfig.from_dir(pair[0])
     server = EngineServer(engine=_engine(pair[0]), token=TOKEN).start()
     logs = []
@@ -230,11 +238,14 @@ def test_a_row_of_the_wrong_version_is_never_trained_on(pair):
                           calls=CallSettings(wait_s=20, backoff=0.05, timeout=30))
     try:
         Publisher(mcfg, remote.link, dtype="float32").publish(_params(pair[0]), 3)
-        server.engine.update_weights(hf.read_tensors(pair[0]), 7)  # not what the run published
+        server.engine.update_weights(hf.read_tensors(pair[0]), 2)  # behind what the run published
         batch = remote.generate([[5, 6]] * 4, SamplingParams(max_new_tokens=3), seed=1)
         assert set(batch.version_B) == {3} and server.engine.version == 3  # resynchronised before it served again
         down = [o for o in remote.outages if o["event"] == "down"]
-        assert down and "answered with weight version(s) ['7'], expected v3" in down[0]["why"]
+        assert down and "answered with weight version(s) ['2'], expected v3" in down[0]["why"]
+        server.engine.update_weights(hf.read_tensors(pair[0]), 7)  # not what the run published
+        with pytest.raises(ServerRefused, match="serves v7, newer than this run's newest v3"):
+            remote.generate([[5, 6]] * 4, SamplingParams(max_new_tokens=3), seed=2)
     finally:
         server.stop()
 

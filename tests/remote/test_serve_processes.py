@@ -90,3 +90,56 @@ def test_a_run_survives_kill_9_of_its_rollout_server(pair, tmp_path):
                     p.wait(timeout=20)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+def test_a_server_serves_one_run_a_second_is_refused_and_the_next_starts_clean(pair, tmp_path):
+    """Two runs against one pair of `opdjax serve` processes: while run a holds them (paused after its first step),
+    run b is refused in one line naming run a (exit 2) and a trains on undisturbed; after a has finished (and freed
+    the servers) a fresh run c binds them and trains on its own weights from step 1: staleness 0, k3 at the clean
+    level (the servers held a's last weights, which c never samples)."""
+    token = tmp_path / "token"
+    token.write_text("one-run-secret")
+    rollout, r = _start("rollout", pair, str(token))
+    teacher, t = _start("teacher", pair, str(token))
+    ends = [f"rollout.endpoints=[127.0.0.1:{r['port']}]", f"teacher.endpoints=[127.0.0.1:{t['port']}]",
+            f"sync.token_file={token}", "pipeline.eval_every=0"]
+    run_a = tmp_path / "a"
+    a = subprocess.Popen([sys.executable, "-m", "opdjax.cli", "train", f"student={pair[0]}", f"teacher={pair[1]}",
+                          "task.options={digits: 1}", "rollout.batch_size=8", "rollout.max_new_tokens=4",
+                          "pipeline.progress=false", "pipeline.tensorboard=false", "pipeline.eval_prompts=8",
+                          "pipeline.steps=6", "optim.lr=0.01", "seed=1", f"pipeline.out_dir={run_a / 'run'}", *ends],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    procs = [rollout, teacher, a]
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and a.poll() is None:
+            if (run_a / "run" / "metrics.jsonl").exists() and any("loss" in x for x in _lines(run_a)):
+                break
+            time.sleep(0.1)
+        a.send_signal(signal.SIGSTOP)  # a holds the servers, idle
+        b = subprocess.run([sys.executable, "-m", "opdjax.cli", "train", f"student={pair[0]}", f"teacher={pair[1]}",
+                            "task.options={digits: 1}", "rollout.batch_size=8", "rollout.max_new_tokens=4",
+                            "pipeline.progress=false", f"pipeline.out_dir={tmp_path / 'b' / 'run'}", *ends],
+                           capture_output=True, text=True, timeout=300)
+        a.send_signal(signal.SIGCONT)
+        err = b.stderr.strip().splitlines()
+        assert b.returncode == 2 and len(err) == 1, b.stderr[-2000:]
+        assert "ServerBusy" in err[0] and "serves another run" in err[0] and str(run_a / "run") in err[0], err[0]
+        assert a.wait(timeout=300) == 0, a.stderr.read()[-2000:]
+        steps_a = [x for x in _lines(run_a) if "loss" in x]
+        assert [x["step"] for x in steps_a] == list(range(1, 7))
+        assert all(x["staleness"] == 0 and abs(x["mismatch/k3"]) < 1e-6 for x in steps_a)
+
+        c = pipeline.train(_cfg(pair, tmp_path / "c", "pipeline.steps=2", "seed=2", *ends), log=lambda s: None)
+        steps_c = [x for x in _lines(tmp_path / "c") if "loss" in x]
+        assert c["steps"] == 2 and [x["staleness"] for x in steps_c] == [0, 0]
+        assert all(abs(x["mismatch/k3"]) < 1e-6 for x in steps_c)  # c's own weights from step 1, not a's
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.terminate()
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()

@@ -252,3 +252,27 @@ def test_versions_only_go_forward_except_a_resumed_learners_rewind(cfg, params):
     assert target.applied == [3, 3, 2] and target.version == 2
     with pytest.raises(BridgeError, match="'rewind' must be true or false"):
         Manifest.from_json(m.to_json().replace('"rewind":true', '"rewind":"yes"'))
+
+
+def test_a_gated_receiver_restarts_its_version_order_only_for_a_new_session(cfg, params):
+    """A server bound to a run (a gate on its receiver) takes no rewind; only a new session (`restart_order`) may
+    start below what it received, and the session's order then goes forward again."""
+    import dataclasses
+
+    target, rx = _receiver(cfg, "float32", version=0)
+    seen = []
+    rx.gate = lambda m: seen.append(m.session)
+    rx.receive(*prepare(cfg, params, 4, dtype="float32"))
+    m, arrays = prepare(cfg, params, 2, dtype="float32", rewind=True)
+    with pytest.raises(BridgeError, match="takes no rewind"):
+        rx.receive(m, arrays)
+    rx.restart_order()
+    assert rx.received_version == -1
+    m, arrays = prepare(cfg, params, 2, dtype="float32")
+    rx.receive(dataclasses.replace(m, session="s2"), arrays)
+    assert target.applied == [4, 2] and rx.received_version == 2 and seen[-1] == "s2"
+    with pytest.raises(BridgeError, match="versions only go forward"):
+        rx.receive(*prepare(cfg, params, 1, dtype="float32"))
+    assert Manifest.from_json(dataclasses.replace(m, session="s2").to_json()).session == "s2"
+    with pytest.raises(BridgeError, match="'session' must be"):
+        Manifest.from_json(m.to_json().replace('"session":null', '"session":7'))
