@@ -1,15 +1,12 @@
 """Common dataset layouts → opdjax's JSONL (`JsonlTask`): one row at a time, each checked, errors naming file:line.
 
-=================  ==========================================  ==============================================
-layout             a row holds                                 written as
-=================  ==========================================  ==============================================
-messages           ``messages``: [{role, content}, ...]        ``messages`` (checked turns), ``answer`` if any
-question_answer    ``question``, ``answer`` (GSM8K)            ``prompt`` = question, ``answer``
-prompt_completion  ``prompt``, ``completion`` (text, or        text: ``prompt``, ``answer`` = completion;
-                   conversational: lists of turns)             turns: ``messages`` = prompt, ``answer``
-=================  ==========================================  ==============================================
+- ``messages``: a row with ``messages`` ([{role, content}, ...]) is written as the checked turns, with its
+  ``answer`` if it has one.
+- ``question_answer`` (GSM8K): ``question`` and ``answer`` are written as ``prompt`` and ``answer``.
+- ``prompt_completion``: a text ``prompt`` is written as ``prompt``, a conversational one (a list of turns) as
+  ``messages``; the ``completion`` (text, or one assistant turn) as ``answer``.
 
-``auto`` picks each row's layout by the first of its keys present, in the table's order. A ``split`` field
+``auto`` picks each row's layout by the first of its keys present, in the order above. A ``split`` field
 ("train"/"heldout") is kept; other fields are dropped. A conversation is checked as `data.chat` does (roles, string
 content, a user turn, at most one assistant turn after the last user turn), so a converted file loads as a task.
 """

@@ -1,15 +1,11 @@
 """Graders of held-out accuracy: a completion's text against a reference answer, 1.0 or 0.0, picked by name.
 
-=========  ============================================================================================
-name       1.0 when
-=========  ============================================================================================
-exact      ``completion.strip() == reference.strip()``
-marker     the final answers agree: the text after the last answer marker (``####``, ``The answer is``,
-           any case) up to the end of its line, stripped of spaces, a leading ``:`` and a trailing ``.``;
-           a text without a marker is its own final answer
-numeric    ``|x - y| <= 1e-6`` for x the last number of the completion and y the reference's number (the
-           last number of its final answer, e.g. after ``####`` in GSM8K), commas removed
-=========  ============================================================================================
+- ``exact``: 1.0 when ``completion.strip() == reference.strip()``.
+- ``marker``: 1.0 when the final answers agree: the text after the last answer marker (``####``, ``The answer is``,
+  any case) up to the end of its line, stripped of spaces, a leading ``:`` and a trailing ``.``; a text without a
+  marker is its own final answer.
+- ``numeric``: 1.0 when ``|x - y| <= 1e-6`` for x the last number of the completion and y the reference's number
+  (the last number of its final answer, e.g. after ``####`` in GSM8K), commas removed.
 
 A grader also says which references it can use (``Grader.check``): a file is refused at load, naming the line, when
 a reference cannot be graded (``numeric`` with a reference that holds no number).

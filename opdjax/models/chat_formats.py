@@ -1,16 +1,13 @@
 """Chat formats of real model families for tiny local tokenizers: the template (Jinja, written here in each family's
 format) and the special tokens it writes, which the tiny tokenizer adds as real tokens.
 
-======== =================================================================================================
-family   a system turn, a user turn and the generation prompt
-======== =================================================================================================
-qwen2.5  ``<|im_start|>system\\nS<|im_end|>\\n<|im_start|>user\\nU<|im_end|>\\n<|im_start|>assistant\\n``; without
-         a system turn the default one (``You are Qwen, created by Alibaba Cloud. ...``) is written
-qwen3    the same turns, no default system turn; ``enable_thinking=False`` appends
-         ``<think>\\n\\n</think>\\n\\n`` after the generation prompt
-llama3   ``<|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\nU<|eot_id|>`` per turn (content trimmed),
-         then ``<|start_header_id|>assistant<|end_header_id|>\\n\\n``
-======== =================================================================================================
+- ``qwen2.5``: ``<|im_start|>system\\nS<|im_end|>\\n<|im_start|>user\\nU<|im_end|>\\n`` then the generation
+  prompt ``<|im_start|>assistant\\n``; without a system turn the default one (``You are Qwen, created by Alibaba
+  Cloud. ...``) is written.
+- ``qwen3``: the same turns, no default system turn; ``enable_thinking=False`` appends ``<think>\\n\\n</think>\\n\\n``
+  after the generation prompt.
+- ``llama3``: ``<|begin_of_text|>``, then ``<|start_header_id|>ROLE<|end_header_id|>\\n\\nCONTENT<|eot_id|>`` per turn
+  (content trimmed), then ``<|start_header_id|>assistant<|end_header_id|>\\n\\n``.
 
 EOS is the end-of-turn token (``<|im_end|>``, ``<|eot_id|>``), as in the families' instruct tokenizers, so a sampled
 answer stops at the end of its turn.

@@ -77,3 +77,10 @@ def test_a_messages_file_trains_through_opdjax_train(chat_file, tmp_path):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == [1, 2]
     assert any("eval/accuracy" in x for x in lines)
+
+
+def test_prompts_shortcut_keeps_the_jsonl_options_and_drops_the_built_in_tasks():
+    cfg = load(TrainConfig, None, ["prompts=p.jsonl", "task.options={digits: 2, grader: numeric, chat: false, "
+                                                      "chat_template_kwargs: {enable_thinking: false}}"])
+    assert cfg.task.name == "jsonl" and cfg.task.options == {
+        "path": "p.jsonl", "grader": "numeric", "chat": False, "chat_template_kwargs": {"enable_thinking": False}}
