@@ -74,7 +74,10 @@ class TaskConfig:
     name: str = field("addition", choices=tasks.TASKS,
                       help="the prompts: a built-in task, or jsonl (a file; `prompts=FILE.jsonl` sets it)")
     options: dict = field({"digits": 2}, help="the task's options, e.g. {digits: 2} for addition; jsonl: path, "
-                                              "prompt_key (default prompt), answer_key (default answer)")
+                                              "prompt_key (default prompt), answer_key (default answer), "
+                                              "messages_key (default messages), chat (auto, true, false), "
+                                              "chat_template_kwargs (e.g. {enable_thinking: false}), grader (exact, "
+                                              "marker, numeric); see the chat data guide")
 
     def validate(self):
         _choice("task", "name", self.name)
@@ -227,6 +230,9 @@ class TeacherConfig:
     temperature: float = field(1.0, help="the target distribution is softmax(teacher logits / temperature)")
     dtype: str = field("float32", choices=_DTYPES, help="teacher compute dtype")
     endpoints: tuple = field((), help="host:port of teacher servers (`opdjax serve --role teacher`)")
+    allow_template_mismatch: bool = field(False, help="score prompts rendered by the student's chat template even "
+                                                      "when the teacher's tokenizer has a different one (by default "
+                                                      "such a pair is refused)")
 
     def validate(self):
         _choice("teacher", "engine", self.engine)
@@ -378,8 +384,9 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         if self.prompts is not None and self.task.name != "jsonl":
+            jsonl = {f.name for f in dataclasses.fields(tasks.TASKS["jsonl"])} - {"path"}
             self.task = TaskConfig(name="jsonl", options={"path": self.prompts, **{
-                k: v for k, v in self.task.options.items() if k in ("prompt_key", "answer_key")}})
+                k: v for k, v in self.task.options.items() if k in jsonl}})
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if dataclasses.is_dataclass(v):

@@ -3,8 +3,8 @@ your HF student and teacher); serve puts a rollout engine or a teacher behind HT
 measure reports the mismatch of one engine configuration; study calibrates the mismatch budget B of a
 student/teacher pair; admit screens rollout configurations against B in seconds; sensitivity, recipe-search and
 capacity pick an FP8 recipe that fits B and show the KV-cache tokens it buys; make-tiny and convert write HF
-checkpoints; keys lists every config key with its default, choices and help. `opdjax COMMAND --help` lists a
-command's options."""
+checkpoints; data convert writes a dataset (messages, question/answer, prompt/completion) as opdjax's JSONL; keys
+lists every config key with its default, choices and help. `opdjax COMMAND --help` lists a command's options."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ logging.getLogger("transformers").addFilter(_NoTorchAdvice())  # before anything
 import jax  # noqa: E402
 
 from opdjax.cli.admission import add_admission_commands  # noqa: E402
+from opdjax.cli.data import add_data_command  # noqa: E402
 from opdjax.cli.keys import add_keys_command  # noqa: E402
 from opdjax.cli.measure import add_measure_command  # noqa: E402
 from opdjax.cli.serve import add_serve_command  # noqa: E402
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_measure_command(sub)
     add_serve_command(sub)
     add_tool_commands(sub)
+    add_data_command(sub)
     add_study_command(sub)
     add_admission_commands(sub)
     add_keys_command(sub)

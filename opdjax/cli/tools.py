@@ -7,14 +7,15 @@ import jax.numpy as jnp
 from opdjax.cli.common import guard
 from opdjax.models import hf
 from opdjax.models.config import FAMILIES
-from opdjax.models.tiny import SIZES, load_tokenizer, make_tiny
+from opdjax.models.tiny import CHAT_FORMATS, SIZES, load_tokenizer, make_tiny
 
 __all__ = ["add_tool_commands"]
 
 
 def _make_tiny(args) -> int:
-    out = make_tiny(args.out_dir, args.family, args.size, seed=args.seed, dtype=args.dtype)
-    print(f"wrote {args.family}/{args.size} checkpoint and tokenizer to {out}")
+    out = make_tiny(args.out_dir, args.family, args.size, seed=args.seed, dtype=args.dtype, chat=args.chat)
+    chat = f" (chat template: {args.chat})" if args.chat else ""
+    print(f"wrote {args.family}/{args.size} checkpoint and tokenizer{chat} to {out}")
     return 0
 
 
@@ -38,6 +39,8 @@ def add_tool_commands(subparsers) -> None:
     t.add_argument("--size", default="tiny", choices=list(SIZES))
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    t.add_argument("--chat", default=None, choices=sorted(CHAT_FORMATS),
+                   help="give the tokenizer this family's chat template and special tokens")
     t.set_defaults(func=guard(_make_tiny))
 
     c = subparsers.add_parser("convert", help="re-save a HF checkpoint (dtype change, sharding)")

@@ -8,12 +8,20 @@ from typing import Sequence
 import numpy as np
 
 from opdjax.core.types import Batch
+from opdjax.data.chat import render_chat
 from opdjax.data.tasks import Example, Task
 
 
 def encode_prompts(tokenizer, examples: Sequence[Example]) -> list[list[int]]:
-    """Token ids of each prompt (no special tokens added)."""
-    return [tokenizer(ex.prompt, add_special_tokens=False).input_ids for ex in examples]
+    """Token ids of each prompt: a chat prompt (``ex.chat``) rendered by the tokenizer's chat template with the
+    generation prompt appended (`data.chat.render_chat`), any other (and a ``chat: auto`` text prompt when the
+    tokenizer has no template) its text with no special tokens added."""
+    out = [None if ex.chat is None else render_chat(tokenizer, ex.chat) for ex in examples]
+    plain = [i for i, ids in enumerate(out) if ids is None]
+    if plain:  # one batched call: a file of many plain prompts is tokenized at the tokenizer's batch speed
+        for i, ids in zip(plain, tokenizer([examples[i].prompt for i in plain], add_special_tokens=False).input_ids):
+            out[i] = ids
+    return out
 
 
 def sft_batch(tokenizer, examples: Sequence[Example], length: int | None = None) -> Batch:

@@ -6,9 +6,11 @@ vocabulary) and owns the end-of-answer convention:
 - **Training text** is ``prompt + answer`` followed by the tokenizer's EOS token, which the caller appends
   (``corpus`` returns the strings without EOS).
 - **Grading**: the caller samples a completion after the prompt, cuts it at the first EOS, decodes it without
-  special tokens and passes the text to ``task.grade(example, completion_text)``. The grader strips surrounding
-  whitespace and returns 1.0 on an exact match with ``example.answer``, else 0.0. ``cut_at`` helps callers
-  whose decoded text still contains an end marker.
+  special tokens and passes the text to ``task.grade(example, completion_text)``. The built-in tasks' grader
+  strips surrounding whitespace and returns 1.0 on an exact match with ``example.answer``, else 0.0 (a JSONL file
+  picks one of `data.graders`). ``cut_at`` helps callers whose decoded text still contains an end marker.
+- **Chat prompts**: an example with ``chat`` set is rendered by the tokenizer's chat template
+  (`data.prompts.encode_prompts`, `data.chat`).
 
 Built-in tasks (prompt → answer):
 
@@ -19,7 +21,7 @@ addition   ``"12+34="`` → ``"46"``         ``digits=2`` (operands in [0, 10**d
 sort       ``"sort 3 1 2:"`` → ``"1 2 3"``  ``length=4`` (digits to sort)
 copy       ``"copy 1234:"`` → ``"1234"``    ``length=4``
 reverse    ``"reverse 1234:"`` → ``"4321"``  ``length=4``
-jsonl      from a file                    ``path``, ``prompt_key``, ``answer_key``
+jsonl      from a file                    ``path``, ``chat``, ``grader``, ... (below)
 =========  =============================  ==========================================
 
 Every built-in example set is a pure function of ``(options, n, seed, split)``. Train and held-out splits are
@@ -39,6 +41,8 @@ import numpy as np
 
 from opdjax.core.errors import InputError
 from opdjax.core.registry import register
+from opdjax.data.chat import ChatError, ChatPrompt, check_turns, split_turns
+from opdjax.data.graders import GRADERS, get_grader
 
 SPLITS = ("train", "heldout")
 HELDOUT_FRACTION = 0.1
@@ -49,11 +53,23 @@ MAX_LINE_BYTES = 16 << 20
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """One prompt. ``answer`` is None when the dataset carries no reference answer (ungraded)."""
+    """One prompt. ``answer`` is None when the dataset carries no reference answer (ungraded).
+
+    ``chat`` (a `ChatPrompt`) says the prompt is rendered by the tokenizer's chat template
+    (`data.prompts.encode_prompts`); ``prompt`` is then the last user turn's text. None: ``prompt`` is encoded as it
+    is.
+    """
 
     prompt: str
     answer: str | None
     meta: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    chat: ChatPrompt | None = None
+
+    @property
+    def key(self) -> str:
+        """The prompt's identity (its split hash, distinct counts, the byte bound of its length): the text, or a
+        conversation's turns as JSON when it has more than one (a system turn, earlier turns)."""
+        return self.chat.key if self.chat is not None and len(self.chat.turns) > 1 else self.prompt
 
 
 @runtime_checkable
@@ -143,9 +159,7 @@ def cut_at(text: str, markers: Iterable[str]) -> str:
 
 def exact_match(answer: str | None, completion_text: str) -> float | None:
     """1.0 if ``completion_text.strip() == answer.strip()`` else 0.0; None when there is no answer."""
-    if answer is None:
-        return None
-    return 1.0 if completion_text.strip() == answer.strip() else 0.0
+    return None if answer is None else GRADERS["exact"].grade(answer, completion_text)
 
 
 class _SyntheticTask:
@@ -292,32 +306,53 @@ class ReverseTask(_SyntheticTask):
 
 # ----------------------------------------------------------------------------------------------------- JSONL
 
-
 @register_task("jsonl")
 @dataclasses.dataclass(frozen=True)
 class JsonlTask:
     """Prompts (and optional reference answers) from a JSONL file, one JSON object per line.
 
-    - ``prompt_key`` (default "prompt") must hold a non-empty string (not only whitespace) on every non-blank line;
-      a line longer than ``MAX_LINE_BYTES`` is refused before it is read whole.
-    - ``answer_key`` (default "answer") is optional per line; a non-string answer (e.g. ``46``) is used as
-      ``str(answer)``. ``grade`` is exact match (stripped) where an answer exists and **None** where it does not:
-      such examples are ungraded, and callers average only the non-None scores.
+    - A row holds a conversation under ``messages_key`` (default "messages": ``[{"role", "content"}, ...]``, see
+      `data.chat`: the prompt is every turn up to the last user turn, an assistant turn after it the reference) or a
+      text under ``prompt_key`` (default "prompt"), a non-empty string (not only whitespace); not both. A line
+      longer than ``MAX_LINE_BYTES`` is refused before it is read whole.
+    - ``chat``: how prompts meet the tokenizer's chat template. ``auto`` (default): conversations are rendered by
+      it, a text prompt is rendered as one user turn when the tokenizer has a template and encoded as it is when
+      not; ``true``: every prompt is rendered (a tokenizer without a template is an error); ``false``: text prompts
+      are encoded as they are and a conversation is refused. ``chat_template_kwargs`` are passed to the template
+      (e.g. ``{enable_thinking: false}`` for Qwen3).
+    - ``answer_key`` (default "answer") is optional per line and, where present, the reference (over a final
+      assistant turn); a non-string answer (e.g. ``46``) is used as ``str(answer)``. ``grade`` scores with
+      ``grader`` (`data.graders`: exact, marker, numeric) where a reference exists and returns **None** where it
+      does not: such examples are ungraded, and callers average only the non-None scores.
     - Split: a line with a ``"split"`` field ("train" or "heldout") goes there; any other line is held out iff
-      the hash of its prompt falls in the lowest 10% (see ``split_of``).
+      the hash of its prompt (``Example.key``) falls in the lowest 10% (see ``split_of``).
     - ``examples(n, seed, split)`` shuffles that split's rows with ``seed`` and takes ``n``; if ``n`` exceeds the
       split, further freshly shuffled passes over it follow (rows repeat, none is dropped).
 
-    Errors (ValueError/FileNotFoundError) name the file and the 1-based line number.
+    Errors (TaskError, a ValueError, or FileNotFoundError) name the file and the 1-based line number.
     """
 
     path: str
     prompt_key: str = "prompt"
     answer_key: str = "answer"
+    messages_key: str = "messages"
+    chat: str | bool = "auto"
+    chat_template_kwargs: dict | None = None
+    grader: str = "exact"
     name: ClassVar[str] = "jsonl"
 
     def __post_init__(self):
-        object.__setattr__(self, "_rows", _load_jsonl(os.fspath(self.path), self.prompt_key, self.answer_key))
+        if not (self.chat == "auto" or isinstance(self.chat, bool)):
+            raise TaskError(f"task 'jsonl': option 'chat' must be auto, true or false, got {self.chat!r}")
+        kwargs = self.chat_template_kwargs
+        if kwargs is not None and (not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs)):
+            raise TaskError(f"task 'jsonl': option 'chat_template_kwargs' must be a mapping of template variables "
+                            f"(e.g. {{enable_thinking: false}}), got {kwargs!r}")
+        try:
+            get_grader(self.grader)
+        except ValueError as e:
+            raise TaskError(f"task 'jsonl': option 'grader': {e}") from None
+        object.__setattr__(self, "_rows", _load_jsonl(os.fspath(self.path), self))
 
     @property
     def rows(self) -> tuple[Example, ...]:
@@ -352,22 +387,22 @@ class JsonlTask:
         return out[:n]
 
     def grade(self, example: Example, completion_text: str) -> float | None:
-        """Exact match (stripped) → 1.0/0.0; None when the example has no reference answer."""
-        return exact_match(example.answer, completion_text)
+        """``grader``'s score (1.0/0.0) of the completion against the reference; None when there is none."""
+        return None if example.answer is None else GRADERS[self.grader].grade(example.answer, completion_text)
 
 
-def _load_jsonl(path: str, prompt_key: str, answer_key: str) -> tuple[Example, ...]:
+def _load_jsonl(path: str, task: JsonlTask) -> tuple[Example, ...]:
     """Every row of the file (TaskError naming file:line for a bad one, including bytes that are not UTF-8)."""
     if not os.path.isfile(path):
         raise TaskFileNotFound(f"JSONL task file not found: {path}")
-    parsed = (_parse_row(path, lineno, raw, prompt_key, answer_key) for lineno, raw in _lines(path))
+    parsed = (_parse_row(f"{path}:{lineno}", lineno, raw, task) for lineno, raw in file_lines(path))
     rows = [ex for ex in parsed if ex is not None]
     if not rows:
         raise TaskError(f"{path}: no rows (the file is empty)")
     return tuple(rows)
 
 
-def _lines(path: str) -> Iterator[tuple[int, bytes]]:
+def file_lines(path: str) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, bytes) of each line; a line over `MAX_LINE_BYTES` is a TaskError naming it, after
     reading no more than the cap of it (a line is never read whole before its size is known)."""
     with open(path, "rb") as f:
@@ -379,43 +414,87 @@ def _lines(path: str) -> Iterator[tuple[int, bytes]]:
             yield lineno, raw
 
 
-def _parse_row(path: str, lineno: int, raw: bytes, prompt_key: str, answer_key: str) -> Example | None:
-    """The Example of one line (None for a blank line); TaskError naming file:line for anything else."""
+def read_object(where: str, raw: bytes) -> dict | None:
+    """The JSON object of one line (None for a blank line); TaskError naming ``where`` (file:line) for bytes that are
+    not UTF-8, invalid JSON, or a value that is not an object."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise TaskError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
-                        f"{e.start + 1})") from None
+        raise TaskError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
     if not line.strip():
         return None
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise TaskError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        raise TaskError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
-        raise TaskError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-    if prompt_key not in obj:
-        raise TaskError(f"{path}:{lineno}: missing prompt key {prompt_key!r}; keys present: {sorted(obj)}")
-    prompt = obj[prompt_key]
-    if not isinstance(prompt, str):
-        raise TaskError(f"{path}:{lineno}: {prompt_key!r} must be a string, got {type(prompt).__name__}")
-    if not prompt.strip():
-        raise TaskError(f"{path}:{lineno}: {prompt_key!r} is empty{' (only whitespace)' if prompt else ''}; "
-                        "every row needs a prompt to sample from")
-    answer = obj.get(answer_key)
+        raise TaskError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def text_field(where: str, obj: dict, key: str, what: str = "prompt") -> str:
+    """``obj[key]``, a string with more than whitespace; TaskError naming ``where`` and the key otherwise."""
+    if key not in obj:
+        raise TaskError(f"{where}: missing {what} key {key!r}; keys present: {sorted(obj)}")
+    text = obj[key]
+    if not isinstance(text, str):
+        raise TaskError(f"{where}: {key!r} must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise TaskError(f"{where}: {key!r} is empty{' (only whitespace)' if text else ''}; every row needs a "
+                        f"{what}")
+    return text
+
+
+def answer_field(where: str, obj: dict, key: str) -> str | None:
+    """``obj[key]`` as a string (a number as ``str(number)``), None when absent; TaskError for a list or object."""
+    answer = obj.get(key)
     if answer is not None and not isinstance(answer, str):
         if isinstance(answer, (dict, list)):
-            raise TaskError(f"{path}:{lineno}: {answer_key!r} must be a string or number, got {answer!r}")
+            raise TaskError(f"{where}: {key!r} must be a string or number, got {answer!r}")
         answer = str(answer)
+    return answer
+
+
+def _row_prompt(where: str, obj: dict, task: JsonlTask) -> tuple[str, ChatPrompt | None, str | None]:
+    """(prompt text, its ChatPrompt or None, the final assistant turn or None) of a row, by ``task.chat``."""
+    kwargs = task.chat_template_kwargs or {}
+    if task.messages_key not in obj:
+        prompt = text_field(where, obj, task.prompt_key)
+        chat = None if task.chat is False else ChatPrompt((("user", prompt),), kwargs, required=task.chat is True)
+        return prompt, chat, None
+    if task.prompt_key in obj:
+        raise TaskError(f"{where}: both {task.messages_key!r} and {task.prompt_key!r}; a row holds one prompt")
+    if task.chat is False:
+        raise TaskError(f"{where}: a {task.messages_key!r} conversation is rendered by the chat template, but "
+                        f"task.options.chat=false; set chat to auto or true")
+    try:
+        turns, reference = split_turns(where, check_turns(where, obj[task.messages_key]))
+    except ChatError as e:
+        raise TaskError(str(e)) from None
+    return turns[-1][1], ChatPrompt(turns, kwargs), reference
+
+
+def _parse_row(where: str, lineno: int, raw: bytes, task: JsonlTask) -> Example | None:
+    """The Example of one line (None for a blank line); TaskError naming ``where`` (file:line) for anything else."""
+    obj = read_object(where, raw)
+    if obj is None:
+        return None
+    prompt, chat, reference = _row_prompt(where, obj, task)
+    answer = answer_field(where, obj, task.answer_key)
+    answer = reference if answer is None else answer
+    reason = None if answer is None else GRADERS[task.grader].check(answer)
+    if reason:
+        raise TaskError(f"{where}: {reason}")
+    ex = Example(prompt=prompt, answer=answer, chat=chat)
     if "split" in obj:
         split = obj["split"]
         if split not in SPLITS:
-            raise TaskError(f"{path}:{lineno}: 'split' must be one of {SPLITS}, got {split!r}")
+            raise TaskError(f"{where}: 'split' must be one of {SPLITS}, got {split!r}")
     else:
-        split = split_of(prompt)
-    meta = {k: v for k, v in obj.items() if k not in (prompt_key, answer_key)}
+        split = split_of(ex.key)
+    meta = {k: v for k, v in obj.items() if k not in (task.prompt_key, task.answer_key, task.messages_key)}
     meta.update(split=split, line=lineno)
-    return Example(prompt=prompt, answer=answer, meta=meta)
+    return dataclasses.replace(ex, meta=meta)
 
 
 # ----------------------------------------------------------------------------------------------------- corpus

@@ -13,9 +13,11 @@ from typing import Iterable
 import jax.numpy as jnp
 
 from opdjax.models import decoder, hf
+from opdjax.models.chat_formats import CHAT_FORMATS, ChatFormat
 from opdjax.models.config import FAMILIES, ModelConfig
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
+_PLAIN = ChatFormat(template="", special=SPECIAL_TOKENS, pad="<|pad|>", eos="<|eos|>", bos="<|bos|>")  # no template
 
 # name -> (hidden, intermediate, layers, heads, kv_heads, head_dim)
 SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
@@ -31,21 +33,28 @@ _DEFAULT_CORPUS = (
 )
 
 
-def train_tokenizer(corpus: Iterable[str], vocab_size: int = 256):
-    """A byte-level BPE `PreTrainedTokenizerFast` trained on `corpus`, with pad/bos/eos special tokens."""
+def train_tokenizer(corpus: Iterable[str], vocab_size: int = 256, *, chat: str | None = None):
+    """A byte-level BPE `PreTrainedTokenizerFast` trained on `corpus`, with pad/bos/eos special tokens; `chat` (a
+    family of `CHAT_FORMATS`: qwen2.5, qwen3, llama3) gives it that family's special tokens and chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    if chat is not None and chat not in CHAT_FORMATS:
+        raise ValueError(f"unknown chat format {chat!r}; choose one of {sorted(CHAT_FORMATS)}")
+    fmt = CHAT_FORMATS[chat] if chat else _PLAIN
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), min_frequency=1,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(fmt.special), min_frequency=1,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(list(corpus) + [_DEFAULT_CORPUS], trainer)
-    pad, bos, eos = SPECIAL_TOKENS
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, bos_token=bos, eos_token=eos,
-                                   clean_up_tokenization_spaces=False)
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=fmt.pad, bos_token=fmt.bos, eos_token=fmt.eos,
+                                  clean_up_tokenization_spaces=False)
+    if fmt.template:
+        out.chat_template = fmt.template
+    return out
 
 
 def tiny_config(family: str = "qwen3", size: str = "tiny", vocab_size: int = 320, **overrides) -> ModelConfig:
@@ -63,13 +72,14 @@ def tiny_config(family: str = "qwen3", size: str = "tiny", vocab_size: int = 320
 
 def make_tiny(out_dir: str | pathlib.Path, family: str = "qwen3", size: str = "tiny", *, seed: int = 0,
               corpus: Iterable[str] = (), tokenizer_vocab: int = 256, dtype: str = "float32",
-              tokenizer=None, **overrides) -> pathlib.Path:
+              tokenizer=None, chat: str | None = None, **overrides) -> pathlib.Path:
     """Write a random-init HF checkpoint and its tokenizer to out_dir; returns the directory.
 
-    Pass `tokenizer` to reuse one (teacher and student must share a vocabulary).
+    Pass `tokenizer` to reuse one (teacher and student must share a vocabulary), or `chat` (a `CHAT_FORMATS` family)
+    for a new one with that family's chat template.
     """
     out = pathlib.Path(out_dir)
-    tok = tokenizer if tokenizer is not None else train_tokenizer(corpus, tokenizer_vocab)
+    tok = tokenizer if tokenizer is not None else train_tokenizer(corpus, tokenizer_vocab, chat=chat)
     vocab = ((len(tok) + 63) // 64) * 64
     ids = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     cfg = tiny_config(family, size, vocab_size=vocab, **{**ids, **overrides})
@@ -86,4 +96,4 @@ def load_tokenizer(path: str | pathlib.Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-__all__ = ["SIZES", "SPECIAL_TOKENS", "load_tokenizer", "make_tiny", "tiny_config", "train_tokenizer"]
+__all__ = ["CHAT_FORMATS", "SIZES", "SPECIAL_TOKENS", "load_tokenizer", "make_tiny", "tiny_config", "train_tokenizer"]

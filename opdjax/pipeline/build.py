@@ -90,6 +90,7 @@ def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True, checked: in
         teacher_tok = None
     student_cfg = ModelConfig.from_dir(student_path)
     check_same_vocab(student_cfg, ModelConfig.from_dir(teacher_path), tokenizer, teacher_tok)
+    inputs.check_chat_templates(cfg, task, tokenizer, teacher_tok)
     inputs.check_lengths(cfg, task, tokenizer, student_cfg.max_position_embeddings)
     student = cfg.student
     graphdef, params = hf.load_state(student_path, student_cfg, param_dtype=student.dtype,

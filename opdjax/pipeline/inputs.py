@@ -14,13 +14,15 @@ from jax.sharding import Mesh
 
 from opdjax.config import ConfigError, TrainConfig
 from opdjax.data import tasks
+from opdjax.data.chat import chat_template_of
+from opdjax.data.prompts import encode_prompts
 from opdjax.models import ModelConfig
 from opdjax.models.sharding import make_mesh
 from opdjax.models.tiny import tiny_config
 from opdjax.pipeline.prepare import prepare_builtin
 
-__all__ = ["BYTES_PER_TOKEN", "Inputs", "check_distinct_prompts", "check_inputs", "check_lengths", "prompt_byte_bound",
-           "resolve_models"]
+__all__ = ["BYTES_PER_TOKEN", "Inputs", "check_chat_templates", "check_distinct_prompts", "check_inputs",
+           "check_lengths", "prompt_byte_bound", "resolve_models"]
 
 # The most bytes one token covers on average, generously (byte-level BPE on text: about 4; runs of spaces or
 # repeated symbols: a few dozen at worst): bounds a prompt's bytes by its positions before it is tokenized.
@@ -61,7 +63,8 @@ def check_lengths(cfg: TrainConfig, task, tokenizer, positions: int) -> None:
     """Prompt + rollout.max_new_tokens must fit the student's positions: checked for max_new_tokens alone, and for
     every row of a task read from a file (ConfigError naming the file and line of the first row that does not):
     first by its UTF-8 bytes against `prompt_byte_bound` (no tokenizer, so this runs before any model loads and
-    before a long line is tokenized), then, given a tokenizer, by its tokens."""
+    before a long line is tokenized; a conversation's bytes are its turns' as JSON, `Example.key`), then, given a
+    tokenizer, by its tokens as `encode_prompts` makes them (a chat prompt rendered by the template)."""
     n = cfg.rollout.max_new_tokens
     if n >= positions:
         raise ConfigError(f"rollout.max_new_tokens={n} leaves no room for a prompt: the student has {positions} "
@@ -72,7 +75,7 @@ def check_lengths(cfg: TrainConfig, task, tokenizer, positions: int) -> None:
     where = getattr(task, "path", "prompts")
     bound = prompt_byte_bound(positions, n)
     for ex in rows:
-        size = len(ex.prompt.encode("utf-8"))
+        size = len(ex.key.encode("utf-8"))
         if size > bound:
             raise ConfigError(f"{where}:{ex.meta.get('line', '?')}: a prompt of {size:,} bytes cannot fit the "
                               f"student's {positions} positions with rollout.max_new_tokens={n}: refused before "
@@ -80,13 +83,30 @@ def check_lengths(cfg: TrainConfig, task, tokenizer, positions: int) -> None:
                               f"{BYTES_PER_TOKEN} bytes a token at most); shorten it")
     if tokenizer is None:
         return
-    lens = [len(ids) for ids in tokenizer([ex.prompt for ex in rows], add_special_tokens=False).input_ids]
+    lens = [len(ids) for ids in encode_prompts(tokenizer, rows)]  # as rendered: a chat template's turns counted
     too_long = [(ln, ex) for ln, ex in zip(lens, rows) if ln + n > positions]
     if too_long:
         ln, ex = too_long[0]
         raise ConfigError(f"{where}:{ex.meta.get('line', '?')}: a prompt of {ln} tokens + rollout.max_new_tokens={n} "
                           f"exceeds the student's {positions} positions ({len(too_long)} row(s) do); shorten them or "
                           f"lower rollout.max_new_tokens")
+
+
+def check_chat_templates(cfg: TrainConfig, task, student_tok, teacher_tok) -> None:
+    """The teacher scores the very token ids the student's chat template rendered. When a task's prompts are rendered
+    (the student's tokenizer has a template and some row has ``chat``) and the teacher's tokenizer holds a different
+    template string (or none), the teacher would score prompts in a format it was not tuned on: ConfigError naming
+    both directories, unless `teacher.allow_template_mismatch`. Nothing is checked for a teacher directory without a
+    tokenizer (a student without a template and required chat prompts is `encode_prompts`' error)."""
+    if teacher_tok is None or cfg.teacher.allow_template_mismatch:
+        return
+    ours, theirs = chat_template_of(student_tok), chat_template_of(teacher_tok)
+    rendered = ours is not None and any(ex.chat is not None for ex in getattr(task, "rows", None) or ())
+    if rendered and ours != theirs:
+        raise ConfigError(f"the student's chat template ({student_tok.name_or_path}) and the teacher's "
+                          f"({teacher_tok.name_or_path}) differ{' (the teacher has none)' if theirs is None else ''}; "
+                          f"the teacher scores prompts as the student's template renders them: give both tokenizers "
+                          f"one template, or set teacher.allow_template_mismatch=true")
 
 
 def prompt_byte_bound(positions: int, max_new_tokens: int) -> int:
@@ -106,7 +126,7 @@ def check_distinct_prompts(cfg: TrainConfig, task) -> None:
         return
     where, need = getattr(task, "path", "prompts"), cfg.rollout.batch_size
     train = split_rows("train")
-    distinct = len({ex.prompt for ex in train})
+    distinct = len({ex.key for ex in train})
     if distinct < need:
         raise ConfigError(f"{where}: {distinct} distinct training prompt{'s' * (distinct != 1)} ({len(train)} "
                           f"row(s) in the training split); a step samples rollout.batch_size={need} prompts, so it "
