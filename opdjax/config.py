@@ -16,7 +16,7 @@ import copy
 import dataclasses
 import inspect
 import pathlib
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import yaml
 
@@ -37,11 +37,15 @@ from opdjax.sync.links import TRANSPORTS
 
 
 def _field(section: str, key: str) -> dataclasses.Field | None:
-    """The field of `section.key` in a TrainConfig ("" is the top level; None where there is none)."""
-    sections = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)
-                if isinstance(f.default_factory, type)}
-    cls = TrainConfig if section == "" else sections.get(section)
-    return {f.name: f for f in dataclasses.fields(cls)}.get(key) if cls is not None else None
+    """The field of `section.key` in a TrainConfig ("" is the top level, "pipeline.wandb" a nested section; None
+    where there is none)."""
+    cls = TrainConfig
+    for part in filter(None, section.split(".")):
+        f = {f.name: f for f in dataclasses.fields(cls)}.get(part)
+        cls = f.default_factory if f is not None and isinstance(f.default_factory, type) else None
+        if cls is None:
+            return None
+    return {f.name: f for f in dataclasses.fields(cls)}.get(key)
 
 
 def _choice(section: str, key: str, value: Any, choices=None) -> None:
@@ -289,6 +293,31 @@ class OptimConfig:
 
 
 @dataclasses.dataclass
+class WandbConfig:
+    """Weights & Biases logging of a run, next to metrics.jsonl and TensorBoard (`pip install 'opdjax[wandb]'`);
+    `pipeline.wandb=offline` is short for `pipeline.wandb.mode=offline`."""
+
+    shortcut: ClassVar[str] = "mode"  # what a plain string given for the whole section sets
+
+    mode: str = field("disabled", choices=("disabled", "offline", "online"),
+                      help="W&B's modes: disabled; offline: the run written under dir for `wandb sync`, no network; "
+                           "online: streamed to the W&B server (needs `wandb login`)")
+    project: str = field("opdjax", help="the W&B project")
+    entity: str = field("", help="the W&B team or user (empty: your default entity)")
+    name: str = field("", help="the run's display name (empty: the run directory's name)")
+    group: str = field("", help="groups runs in the W&B interface, e.g. the seeds of one setting")
+    tags: tuple = field((), help="the run's tags, e.g. [fp8, async]")
+    dir: str = field("", help="where W&B writes its files, under <dir>/wandb (empty: the run directory)")
+
+    def validate(self):
+        _choice("pipeline.wandb", "mode", self.mode)
+        bad = [t for t in self.tags if not isinstance(t, str) or not t.strip()]
+        if bad:
+            raise ConfigError(f"pipeline.wandb.tags holds {bad!r}: each tag is a non-empty string "
+                              "(e.g. pipeline.wandb.tags=[fp8, async])")
+
+
+@dataclasses.dataclass
 class PipelineConfig:
     steps: int = field(300, help="training steps")
     mode: str = field("sync", choices=("sync", "async"),
@@ -310,6 +339,8 @@ class PipelineConfig:
                                                   "config_changes.jsonl)")
     progress: bool = field(True, help="show a progress bar")
     tensorboard: bool = field(True, help="also write TensorBoard event files into out_dir")
+    wandb: WandbConfig = field(WandbConfig, help="Weights & Biases logging (off by default): the run's config, "
+                                                 "each step's metrics and its summary")
 
     def validate(self):
         _choice("pipeline", "mode", self.mode)
@@ -320,6 +351,7 @@ class PipelineConfig:
         _positive("pipeline", "eval_prompts", self.eval_prompts)
         if not str(self.out_dir).strip():
             raise ConfigError("pipeline.out_dir is empty; expected a directory for the run (e.g. runs/demo)")
+        self.wandb.validate()
 
 
 @dataclasses.dataclass
@@ -440,17 +472,20 @@ def parse_override(item: str) -> dict[str, Any]:
     return out
 
 
-_PATH_SHORTCUTS = ("student", "teacher")
+# Sections a plain string may stand for, and the key it sets: `teacher=DIR` (path), `pipeline.wandb=offline` (mode).
+_SHORTCUTS = {"student": "path", "teacher": "path", "wandb": "mode"}
 
 
 def deep_update(a: dict, b: Mapping) -> dict:
-    """Merge `b` into `a` in place, recursing into nested dicts, and return `a`. A path shortcut (`student`,
-    `teacher`) given as a string on one side and a dict on the other keeps both: the string becomes `path`."""
+    """Merge `b` into `a` in place, recursing into nested dicts, and return `a`. A shortcut (`student`, `teacher`,
+    `wandb`) given as a string on one side and a dict on the other keeps both: the string sets its key (`path`,
+    `mode`)."""
     for k, v in b.items():
-        if isinstance(v, Mapping) and isinstance(a.get(k), str) and k in _PATH_SHORTCUTS:
-            a[k] = {"path": a[k]}  # `teacher=DIR teacher.dtype=...`: keep the DIR
-        if isinstance(v, str) and isinstance(a.get(k), dict) and k in _PATH_SHORTCUTS:
-            a[k]["path"] = v  # `teacher.dtype=... teacher=DIR`: keep the dtype
+        key = _SHORTCUTS.get(k)
+        if isinstance(v, Mapping) and isinstance(a.get(k), str) and key:
+            a[k] = {key: a[k]}  # `teacher=DIR teacher.dtype=...`: keep the DIR
+        if isinstance(v, str) and isinstance(a.get(k), dict) and key:
+            a[k][key] = v  # `teacher.dtype=... teacher=DIR`: keep the dtype
         elif isinstance(v, Mapping) and isinstance(a.get(k), dict):
             deep_update(a[k], v)
         else:

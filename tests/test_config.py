@@ -5,7 +5,8 @@ import pathlib
 import pytest
 
 from opdjax.cli.main import main
-from opdjax.config import ConfigError, TrainConfig, check_expanded_size, dump_yaml, load
+from opdjax.config import ConfigError, TrainConfig, check_expanded_size, dump_yaml, load, to_dict
+from opdjax.pipeline.rundir import config_changes
 
 
 def test_shipped_yaml_equals_embedded_defaults():
@@ -214,3 +215,20 @@ def test_a_completion_longer_than_the_builtin_student_is_refused_before_the_pair
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "rollout.max_new_tokens=100000 leaves no room for a prompt" in err[0], err
     assert time.perf_counter() - t0 < 30 and not (tmp_path / "cache").exists()
+
+
+def test_pipeline_wandb_is_a_section_with_a_mode_shortcut():
+    assert load(TrainConfig, None, ["pipeline.wandb=offline"]).pipeline.wandb.mode == "offline"
+    cfg = load(TrainConfig, {"pipeline": {"wandb": {"project": "p"}}}, ["pipeline.wandb=online"])
+    assert (cfg.pipeline.wandb.mode, cfg.pipeline.wandb.project) == ("online", "p")  # the shortcut keeps the rest
+    with pytest.raises(ConfigError, match="YAML reads yes/no/on/off as a boolean"):
+        load(TrainConfig, None, ["pipeline.wandb.mode=off"])
+    with pytest.raises(ConfigError, match="each tag is a non-empty string"):
+        load(TrainConfig, None, ["pipeline.wandb.tags=[fp8, 3]"])
+
+
+def test_a_resume_may_turn_wandb_on_or_change_its_settings():
+    old = to_dict(TrainConfig())
+    del old["pipeline"]["wandb"]  # a run started before pipeline.wandb existed
+    new = to_dict(load(TrainConfig, None, ["pipeline.wandb=online", "pipeline.wandb.tags=[fp8]"]))
+    assert config_changes(old, new) == []

@@ -25,7 +25,7 @@ LAYERS = [
     {"cli"},
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
-OPTIONAL_HEAVY = {"vllm", "torch", "transformers", "tokenizers", "matplotlib", "tensorboardX"}
+OPTIONAL_HEAVY = {"vllm", "torch", "transformers", "tokenizers", "matplotlib", "tensorboardX", "wandb"}
 MAX_LINES = 600
 MAX_FUNCTION_LINES = 60
 

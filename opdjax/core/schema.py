@@ -132,7 +132,8 @@ def _coerce(path: str, value: Any, tp) -> Any:
     elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):  # an object where a name is also accepted (rollout.recipe: a quant.Recipe)
             return value
-    raise ConfigError(f"{path}={value!r} has the wrong type: expected {_type_name(tp)}")
+    quote = " (YAML reads yes/no/on/off as a boolean: quote a word meant as text)" if isinstance(value, bool) else ""
+    raise ConfigError(f"{path}={value!r} has the wrong type: expected {_type_name(tp)}{quote}")
 
 
 def _unknown_key(path: str, key: str, cls) -> ConfigError:
@@ -163,8 +164,8 @@ def merge(obj, d: Mapping[str, Any], path: str = ""):
         sub = f"{path}.{key}" if path else key
         cur = getattr(obj, key)
         if dataclasses.is_dataclass(cur):
-            if isinstance(value, str) and "path" in {f.name for f in dataclasses.fields(cur)}:
-                value = {"path": value}  # shortcut: student=DIR means student.path=DIR
+            if isinstance(value, str) and (key_of := _shortcut(cur)):
+                value = {key_of: value}  # shortcut: student=DIR means student.path=DIR
             changes[key] = merge(cur, value, sub)
         else:
             try:
@@ -172,6 +173,14 @@ def merge(obj, d: Mapping[str, Any], path: str = ""):
             except ConfigError as e:
                 raise ConfigError(f"{e}{about(fields[key])}") from None
     return dataclasses.replace(obj, **changes)
+
+
+def _shortcut(section) -> str | None:
+    """The key a plain string given for a whole section sets: the section's `shortcut` (a class attribute), else
+    `path` where it has one (`student=DIR`); None: a string is not a value of this section."""
+    names = {f.name for f in dataclasses.fields(section)}
+    key = getattr(section, "shortcut", "path")
+    return key if key in names else None
 
 
 def to_dict(obj) -> dict[str, Any]:

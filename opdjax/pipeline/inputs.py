@@ -20,6 +20,7 @@ from opdjax.models import ModelConfig
 from opdjax.models.sharding import make_mesh
 from opdjax.models.tiny import tiny_config
 from opdjax.pipeline.prepare import prepare_builtin
+from opdjax.pipeline.wandb_sink import check_available as check_wandb
 
 __all__ = ["BYTES_PER_TOKEN", "Inputs", "check_chat_templates", "check_distinct_prompts", "check_inputs",
            "check_lengths", "prompt_byte_bound", "resolve_models"]
@@ -39,10 +40,12 @@ class Inputs:
 
 def check_inputs(cfg: TrainConfig) -> Inputs:
     """Everything about the input that can be checked without loading a model, so that bad input is named before
-    the consequences of running with it (a run directory claimed, a built-in pair prepared for minutes): the mesh
-    against this machine's devices, the task and its options, each model directory (config.json present and of a
-    supported family), the completion length against the student's positions, and a prompt file's rows: each
-    prompt's bytes against the student's context, enough distinct prompts in each split."""
+    the consequences of running with it (a run directory claimed, a built-in pair prepared for minutes): wandb
+    installed when pipeline.wandb asks for it, the mesh against this machine's devices, the task and its options,
+    each model directory (config.json present and of a supported family), the completion length against the
+    student's positions, and a prompt file's rows: each prompt's bytes against the student's context, enough
+    distinct prompts in each split."""
+    check_wandb(cfg.pipeline.wandb)
     mesh = make_mesh(cfg.mesh.shape)
     try:
         task = tasks.get_task(cfg.task.name, **cfg.task.options)

@@ -5,8 +5,8 @@ sampled ahead by a background worker with whatever weights the engine serves (as
 weight version and the learner drops, and counts, rollouts more than `max_staleness` versions old). `_Loop` holds
 a run's state while it steps.
 
-Metrics go to `<out_dir>/metrics.jsonl` (and TensorBoard when tensorboardX is installed); a progress bar shows
-step, loss, teacher KL and mismatch. Only process 0 writes.
+Metrics go to `<out_dir>/metrics.jsonl` (and TensorBoard when tensorboardX is installed, Weights & Biases with
+`pipeline.wandb`); a progress bar shows step, loss, teacher KL and mismatch. Only process 0 writes.
 """
 
 from __future__ import annotations
@@ -156,6 +156,7 @@ def _prepare_dir(run: Run) -> None:
             shutil.rmtree(run.out_dir / "checkpoints", ignore_errors=True)
             shutil.rmtree(run.out_dir / "student_final", ignore_errors=True)
             (run.out_dir / "summary.json").unlink(missing_ok=True)
+            shutil.rmtree(run.out_dir / "wandb", ignore_errors=True)  # the old run's W&B files (default dir)
     barrier("opdjax-fresh-run-dir")
 
 
@@ -231,16 +232,19 @@ class _Loop:
         """Initial evaluation, the steps, the final checkpoint and export; returns the summary."""
         pipeline = self.run.cfg.pipeline
         resumed = pipeline.resume and self.prog.step > 0
-        with MetricsLogger(self.run.out_dir, pipeline.tensorboard, resume=resumed) as self.logger:
+        with MetricsLogger(self.run.out_dir, pipeline.tensorboard, resume=resumed, wandb=pipeline.wandb,
+                           config=to_dict(self.run.cfg), say=self.log) as self.logger:
             self.evaluate_start()
             t_start = time.time()
             with _open_source(self.run, self.stream, self.prog.step) as self.source, \
                     _progress_bar(self.run, self.prog.step) as self.bar:
                 while self.prog.step < pipeline.steps:
                     self.step()
-        if self.prog.saved != self.prog.step:
-            self.checkpoint()
-        return self.summary(self.export(), time.time() - t_start)
+            if self.prog.saved != self.prog.step:
+                self.checkpoint()
+            summary = self.summary(self.export(), time.time() - t_start)
+            self.logger.finish(summary)
+        return summary
 
     def evaluate_start(self) -> None:
         """The initial evaluation (kept from the checkpoint when resuming); a run resumed at its last step (killed

@@ -66,8 +66,8 @@ def _umask() -> int:
 
 # Keys a resumed run may change: how long it runs and how it is watched, logged and connected, not what it trains.
 RESUME_MAY_CHANGE = ("pipeline.resume", "pipeline.overwrite", "pipeline.allow_config_change", "pipeline.progress",
-                     "pipeline.tensorboard", "pipeline.steps", "pipeline.eval_every", "pipeline.eval_prompts",
-                     "pipeline.eval_seed", "pipeline.policy_movement",
+                     "pipeline.tensorboard", "pipeline.wandb.", "pipeline.steps", "pipeline.eval_every",
+                     "pipeline.eval_prompts", "pipeline.eval_seed", "pipeline.policy_movement",
                      "pipeline.checkpoint_every", "pipeline.out_dir", "sync.", "rollout.endpoints",
                      "teacher.endpoints", "mesh.")
 
