@@ -58,6 +58,8 @@ def main(student: str, teacher: str, steps: int = 2) -> list[dict]:
             history.append({**m, "served_version": engine.version})
             print(f"step {step + 1}: loss {m['loss']:.4f}, mismatch k3 {m['mismatch/k3']:.1e}, served v{engine.version}")
         link.close()
+        engine.close()  # free the servers for the next run
+        teacher_client.close()
         return history
     finally:
         for p in procs:

@@ -175,7 +175,8 @@ def _serve_vllm(args, cfg: config.TrainConfig, path: str, token: str) -> int:
     argv, env = vllm_command(path, role=args.role, token_file=os.path.abspath(args.token_file), host=args.host,
                              port=port, bridge_port=args.bridge_port, shm_root=args.shm_root,
                              llm_kwargs=_vllm_settings(cfg, args.role, path, check_hardware=not args.print_command),
-                             fp8_emulation=_emulation(cfg, args.role), lease_timeout=args.lease_timeout)
+                             fp8_emulation=_emulation(cfg, args.role),
+                             lease_timeout=getattr(args, "lease_timeout", DEFAULT_IDLE_TIMEOUT))
     env["OPDJAX_BRIDGE_IDLE_TIMEOUT"] = str(getattr(args, "transfer_idle_timeout", ServerLimits.transfer_idle_timeout))
     if args.print_command:
         print(shell_line(argv, env))

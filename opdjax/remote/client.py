@@ -201,6 +201,12 @@ class RemoteEngine:
         if release:
             self.pool.release()
 
+    def __enter__(self) -> "RemoteEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def version(self) -> int:
         return -1 if self.published is None else int(self.published)
@@ -329,6 +335,12 @@ class RemoteTeacher:
         """The run is over: free the teacher servers for the next run (`release=False`: another process does)."""
         if release:
             self.pool.release()
+
+    def __enter__(self) -> "RemoteTeacher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def outages(self) -> list[dict[str, Any]]:

@@ -88,53 +88,76 @@ def test_every_endpoint_but_health_needs_the_token(servers):
 
 def test_a_publish_is_validated_applied_and_tags_every_rollout(servers, pair):
     cfg = ModelConfig.from_dir(pair[0])
-    remote = RemoteEngine([f"127.0.0.1:{servers['rollout']['port']}"], SECRET, cfg, pad_id=0,
-                          calls=CallSettings(wait_s=10))
-    assert remote.pool.servers[0].dialect == "vllm"
-    params = nnx.state(decoder.create(cfg, seed=31))
-    Publisher(cfg, remote.link, dtype="float32").publish(params, 1)
-    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
-    batch = remote.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0), seed=3)
-    assert (batch.version_B == 1).all()
-    graphdef, _ = nnx.split(decoder.abstract(cfg))
-    lp = Learner(graphdef).logp(params, batch.tokens_BT, batch.valid_BT, temperature=1.0)
-    m = batch.completion_mask_BT
-    assert m.any() and float(np.abs(lp - batch.rollout_logp_BT)[m].mean()) <= 1e-4
+    with RemoteEngine([f"127.0.0.1:{servers['rollout']['port']}"], SECRET, cfg, pad_id=0,
+                      calls=CallSettings(wait_s=10)) as remote:
+        assert remote.pool.servers[0].dialect == "vllm"
+        params = nnx.state(decoder.create(cfg, seed=31))
+        Publisher(cfg, remote.link, dtype="float32").publish(params, 1)
+        prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+        batch = remote.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0), seed=3)
+        assert (batch.version_B == 1).all()
+        graphdef, _ = nnx.split(decoder.abstract(cfg))
+        lp = Learner(graphdef).logp(params, batch.tokens_BT, batch.valid_BT, temperature=1.0)
+        m = batch.completion_mask_BT
+        assert m.any() and float(np.abs(lp - batch.rollout_logp_BT)[m].mean()) <= 1e-4
 
-    manifest, arrays = remote.link.last  # v2 whose bytes do not match the manifest's checksums
-    bad = [np.array(a, copy=True) for a in arrays]
-    bad[0] += 1.0
-    with pytest.raises(BridgeError, match="crc32 mismatch"):  # refused in vLLM's worker, before anything is touched
-        remote.link.push(remote.pool.servers[0], dataclasses.replace(manifest, version=2), bad)
-    again = remote.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0), seed=3)
-    assert (again.version_B == 1).all()  # still serving v1, and the same weights
-    np.testing.assert_array_equal(again.tokens_BT, batch.tokens_BT)
+        manifest, arrays = remote.link.last  # v2 whose bytes do not match the manifest's checksums
+        bad = [np.array(a, copy=True) for a in arrays]
+        bad[0] += 1.0
+        with pytest.raises(BridgeError, match="crc32 mismatch"):  # refused in vLLM's worker, before anything is touched
+            remote.link.push(remote.pool.servers[0], dataclasses.replace(manifest, version=2), bad)
+        again = remote.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0), seed=3)
+        assert (again.version_B == 1).all()  # still serving v1, and the same weights
+        np.testing.assert_array_equal(again.tokens_BT, batch.tokens_BT)
 
 
 def test_a_vllm_server_on_this_host_takes_weights_from_shared_memory(servers, pair):
     cfg = ModelConfig.from_dir(pair[0])
-    remote = RemoteEngine([f"127.0.0.1:{servers['rollout']['port']}"], SECRET, cfg, pad_id=0, transport="shm",
-                          shm_root=servers["shm"], calls=CallSettings(wait_s=10))
-    params = nnx.state(decoder.create(cfg, seed=32))
-    Publisher(cfg, remote.link, dtype="float32").publish(params, 5)
-    batch = remote.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=6, temperature=1.0), seed=4)
-    remote.link.close()
-    assert (batch.version_B == 5).all()
-    graphdef, _ = nnx.split(decoder.abstract(cfg))
-    lp = Learner(graphdef).logp(params, batch.tokens_BT, batch.valid_BT, temperature=1.0)
-    assert float(np.abs(lp - batch.rollout_logp_BT)[batch.completion_mask_BT].mean()) <= 1e-4
+    with RemoteEngine([f"127.0.0.1:{servers['rollout']['port']}"], SECRET, cfg, pad_id=0, transport="shm",
+                      shm_root=servers["shm"], calls=CallSettings(wait_s=10)) as remote:
+        params = nnx.state(decoder.create(cfg, seed=32))
+        Publisher(cfg, remote.link, dtype="float32").publish(params, 5)
+        batch = remote.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=6, temperature=1.0), seed=4)
+        remote.link.close()
+        assert (batch.version_B == 5).all()
+        graphdef, _ = nnx.split(decoder.abstract(cfg))
+        lp = Learner(graphdef).logp(params, batch.tokens_BT, batch.valid_BT, temperature=1.0)
+        assert float(np.abs(lp - batch.rollout_logp_BT)[batch.completion_mask_BT].mean()) <= 1e-4
 
 
 def test_the_vllm_teacher_scores_like_the_jax_teacher(servers, pair):
     cfg = ModelConfig.from_dir(pair[1])
-    remote = RemoteTeacher([f"127.0.0.1:{servers['teacher']['port']}"], SECRET, cfg, temperature=1.0,
-                           calls=CallSettings(wait_s=10))
-    tokens = np.array([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], np.int32)
-    valid = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], bool)
-    needs = frozenset({"teacher_logp", "teacher_topk"})
-    got = remote.score(tokens, valid, needs, top_k=4)
-    want = JaxTeacher.from_pretrained(pair[1], dtype="float32").score(tokens, valid, needs, top_k=4)
-    scored = valid & np.roll(valid, 1, axis=1)
-    scored[:, 0] = False
-    assert np.abs(got.teacher_logp_BT - want.teacher_logp_BT)[scored].max() <= 1e-4
-    np.testing.assert_array_equal(got.teacher_topk_ids_BTK[scored], want.teacher_topk_ids_BTK[scored])
+    with RemoteTeacher([f"127.0.0.1:{servers['teacher']['port']}"], SECRET, cfg, temperature=1.0,
+                       calls=CallSettings(wait_s=10)) as remote:
+        tokens = np.array([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], np.int32)
+        valid = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], bool)
+        needs = frozenset({"teacher_logp", "teacher_topk"})
+        got = remote.score(tokens, valid, needs, top_k=4)
+        want = JaxTeacher.from_pretrained(pair[1], dtype="float32").score(tokens, valid, needs, top_k=4)
+        scored = valid & np.roll(valid, 1, axis=1)
+        scored[:, 0] = False
+        assert np.abs(got.teacher_logp_BT - want.teacher_logp_BT)[scored].max() <= 1e-4
+        np.testing.assert_array_equal(got.teacher_topk_ids_BTK[scored], want.teacher_topk_ids_BTK[scored])
+
+
+def test_vllms_server_serves_one_run_and_tags_every_token_with_it(servers, pair):
+    """vLLM's own server is bound like opdjax's: a second run refused in one line naming the first; after a
+    take-over the first run's rollouts carry the other session's tag and are refused, never trained on."""
+    from opdjax.remote.client import ServerBusy
+    from opdjax.remote.lease import RunId
+
+    cfg = ModelConfig.from_dir(pair[0])
+    end, params = [f"127.0.0.1:{servers['rollout']['port']}"], nnx.state(decoder.create(cfg, seed=33))
+    a = RemoteEngine(end, SECRET, cfg, pad_id=0, calls=CallSettings(wait_s=10), run=RunId.fresh("host:/runs/a"))
+    try:
+        Publisher(cfg, a.link, dtype="float32").publish(params, 3)
+        with pytest.raises(ServerBusy, match="rollout server .* serves another run: .*host:/runs/a"):
+            RemoteEngine(end, SECRET, cfg, pad_id=0, calls=CallSettings(wait_s=10), run=RunId.fresh("host:/runs/b"))
+        with RemoteEngine(end, SECRET, cfg, pad_id=0, calls=CallSettings(wait_s=10),
+                          run=RunId.fresh("host:/runs/c", takeover=True)) as c:
+            Publisher(cfg, c.link, dtype="float32").publish(params, 0)  # a new session starts its own order
+            assert (c.generate([[5, 6]], SamplingParams(max_new_tokens=3), seed=0).version_B == 0).all()
+            with pytest.raises(ServerBusy, match="not this run's"):
+                a.generate([[5, 6]], SamplingParams(max_new_tokens=3), seed=0)
+    finally:
+        a.close()

@@ -69,36 +69,36 @@ def _weights(url) -> dict:
 
 def test_publishes_over_the_bridge_land_in_fp8_in_vllms_own_server(server, pair):
     cfg = ModelConfig.from_dir(pair[0])
-    remote = RemoteEngine([f"127.0.0.1:{server['port']}"], SECRET, cfg, pad_id=0, calls=CallSettings(wait_s=10))
-    w0 = _weights(server["url"])
-    assert w0["fp8_emulation"] == "token"  # fp8_w8a8: per-token activations, as on Hopper
-    engines = {k: JaxEngine(cfg, dtype="bfloat16", mismatch=EngineMismatch(recipe=r))
-               for k, r in rivals(quant.get_recipe("fp8_w8a8")).items()}
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 300, size=rng.integers(3, 10)).tolist() for _ in range(16)]
-    sp = SamplingParams(max_new_tokens=8)
-    prev = None
-    for version, seed in ((1, 41), (2, 42)):
-        # weights 6x the init scale: sharper log-probs, so FP8 rounding moves them well beyond bf16 numerics
-        params = jax.tree.map(lambda a: a * 6.0 if a.ndim == 2 else a, nnx.state(decoder.create(cfg, seed=seed)))
-        Publisher(cfg, remote.link, dtype="bfloat16").publish(params, version)
-        served = _weights(server["url"])
-        assert served["version"] == version
-        named = hf.named_params(cfg, params)
-        for i in range(cfg.num_layers):
-            layer = served["layers"][f"model.layers.{i}.self_attn.qkv_proj"]
-            qkv = [np.asarray(named[f"model.layers.{i}.self_attn.{m}_proj.weight"]).astype("bfloat16") for m in "qkv"]
-            want = np.float32(max(np.abs(a.astype(np.float32)).max() for a in qkv)) / np.float32(448)
-            assert layer["dtype"] == "float8_e4m3fn" and layer["scale"] == [pytest.approx(float(want), rel=1e-6)]
-        batch = remote.generate(prompts, sp, seed=3)
-        assert (batch.version_B == version).all()
-        m = batch.completion_mask_BT
-        for e in engines.values():
-            e.update_weights(named, version)
-        gaps = closest(engines, batch)
-        assert min(gaps, key=gaps.get) == "sim", gaps  # closer to the simulation than to its near misses
-        if prev is not None:
-            assert np.abs(prev - batch.rollout_logp_BT)[m].mean() > 0.05  # a new version, new log-probs
-        prev = batch.rollout_logp_BT
-    remote.link.close()
-    assert quant.get_recipe("fp8_w8a8").fused_scales
+    with RemoteEngine([f"127.0.0.1:{server['port']}"], SECRET, cfg, pad_id=0, calls=CallSettings(wait_s=10)) as remote:
+        w0 = _weights(server["url"])
+        assert w0["fp8_emulation"] == "token"  # fp8_w8a8: per-token activations, as on Hopper
+        engines = {k: JaxEngine(cfg, dtype="bfloat16", mismatch=EngineMismatch(recipe=r))
+                   for k, r in rivals(quant.get_recipe("fp8_w8a8")).items()}
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(3, 300, size=rng.integers(3, 10)).tolist() for _ in range(16)]
+        sp = SamplingParams(max_new_tokens=8)
+        prev = None
+        for version, seed in ((1, 41), (2, 42)):
+            # weights 6x the init scale: sharper log-probs, so FP8 rounding moves them well beyond bf16 numerics
+            params = jax.tree.map(lambda a: a * 6.0 if a.ndim == 2 else a, nnx.state(decoder.create(cfg, seed=seed)))
+            Publisher(cfg, remote.link, dtype="bfloat16").publish(params, version)
+            served = _weights(server["url"])
+            assert served["version"] == version
+            named = hf.named_params(cfg, params)
+            for i in range(cfg.num_layers):
+                layer = served["layers"][f"model.layers.{i}.self_attn.qkv_proj"]
+                qkv = [np.asarray(named[f"model.layers.{i}.self_attn.{m}_proj.weight"]).astype("bfloat16") for m in "qkv"]
+                want = np.float32(max(np.abs(a.astype(np.float32)).max() for a in qkv)) / np.float32(448)
+                assert layer["dtype"] == "float8_e4m3fn" and layer["scale"] == [pytest.approx(float(want), rel=1e-6)]
+            batch = remote.generate(prompts, sp, seed=3)
+            assert (batch.version_B == version).all()
+            m = batch.completion_mask_BT
+            for e in engines.values():
+                e.update_weights(named, version)
+            gaps = closest(engines, batch)
+            assert min(gaps, key=gaps.get) == "sim", gaps  # closer to the simulation than to its near misses
+            if prev is not None:
+                assert np.abs(prev - batch.rollout_logp_BT)[m].mean() > 0.05  # a new version, new log-probs
+            prev = batch.rollout_logp_BT
+        remote.link.close()
+        assert quant.get_recipe("fp8_w8a8").fused_scales
