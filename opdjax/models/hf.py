@@ -7,6 +7,7 @@ checkpoint loading and saving, the weight bridge and quantization recipes (which
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -141,6 +142,20 @@ def read_tensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
                 raise CheckpointError(f"{f.name}: tensor {name!r} appears in more than one shard")
             out[name] = a
     return out
+
+
+def load_config(path: str | pathlib.Path, usable_vocab: int | None = None) -> ModelConfig:
+    """A HF directory's `ModelConfig` (config.json and generation_config.json) with the facts of the tokenizer saved
+    beside it (`ModelConfig.with_tokenizer`: usable_vocab = its length, its EOS a stop id); without a tokenizer the
+    config alone. `usable_vocab` (the shared tokenizer's length of a student-teacher pair) overrides."""
+    from opdjax.models.tiny import load_tokenizer
+
+    cfg = ModelConfig.from_dir(path)
+    try:
+        cfg = cfg.with_tokenizer(load_tokenizer(path))
+    except (OSError, ValueError, TypeError):  # no (readable) tokenizer saved with the model
+        pass
+    return cfg if usable_vocab is None else dataclasses.replace(cfg, usable_vocab=int(usable_vocab))
 
 
 def load_state(path: str | pathlib.Path, cfg: ModelConfig | None = None, *, param_dtype=jnp.float32,
