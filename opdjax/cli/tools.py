@@ -13,7 +13,8 @@ __all__ = ["add_tool_commands"]
 
 
 def _make_tiny(args) -> int:
-    out = make_tiny(args.out_dir, args.family, args.size, seed=args.seed, dtype=args.dtype)
+    out = make_tiny(args.out_dir, args.family, args.size, seed=args.seed, dtype=args.dtype,
+                    vocab_multiple=args.vocab_multiple)
     print(f"wrote {args.family}/{args.size} checkpoint and tokenizer to {out}")
     return 0
 
@@ -38,6 +39,8 @@ def add_tool_commands(subparsers) -> None:
     t.add_argument("--size", default="tiny", choices=list(SIZES))
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    t.add_argument("--vocab-multiple", type=int, default=64,
+                   help="vocab_size = the tokenizer's length rounded up to this (rows past it are padding)")
     t.set_defaults(func=guard(_make_tiny))
 
     c = subparsers.add_parser("convert", help="re-save a HF checkpoint (dtype change, sharding)")

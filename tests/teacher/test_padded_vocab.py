@@ -49,3 +49,26 @@ def test_teacher_top_k_never_holds_a_padded_id(padded_pair):
     lse = np.log(np.exp(full[..., :len(tok)]).sum(-1))
     want = np.take_along_axis(full, tokens[:, 1:, None], -1)[..., 0] - lse
     np.testing.assert_allclose(fixed.teacher_logp_BT[:, 1:], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # one vLLM engine start
+@pytest.mark.vllm
+def test_vllm_prompt_logprobs_cover_padded_rows_unless_restricted(vllm_module, padded_pair):
+    """What vLLM returns: its prompt log-probs are a log-softmax over all 512 rows (padded ids in the top-k).
+    After `restrict_vocab` (the logits processor cut at 259 ids, as `VllmEngine(usable_vocab=)` does) the top-k
+    holds no padded id and the log-probs equal the JAX teacher's over the usable ids."""
+    from opdjax.rollout.vllm_engine import restrict_vocab
+    from opdjax.teacher.vllm_teacher import VllmTeacher
+
+    tok = load_tokenizer(padded_pair[1])
+    tokens, valid = _rows(tok, n=3, L=8)
+    teacher = VllmTeacher(padded_pair[1], usable_vocab=512, kv_cache_memory_bytes=32 << 20, max_num_seqs=4)
+    raw = teacher.engine.score(tokens, valid, top_k=32)
+    assert raw["topk_ids_BTK"].max() >= len(tok)
+    assert teacher.engine.llm.collective_rpc(restrict_vocab, args=(len(tok),)) == [len(tok)]
+    cut = teacher.engine.score(tokens, valid, top_k=32)
+    assert cut["topk_ids_BTK"].max() < len(tok)
+    want = JaxTeacher.from_pretrained(padded_pair[1]).score(tokens, valid, frozenset({"teacher_logp", "teacher_topk"}),
+                                                            top_k=32)
+    np.testing.assert_allclose(cut["logp_BT"], want.teacher_logp_BT, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(cut["topk_logp_BTK"], want.teacher_topk_logp_BTK, rtol=1e-4, atol=1e-4)
