@@ -144,12 +144,17 @@ def read_tensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
     return out
 
 
+def load_tokenizer(path: str | pathlib.Path):
+    """The tokenizer saved in a HF directory (local files only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
 def load_config(path: str | pathlib.Path, usable_vocab: int | None = None) -> ModelConfig:
     """A HF directory's `ModelConfig` (config.json and generation_config.json) with the facts of the tokenizer saved
     beside it (`ModelConfig.with_tokenizer`: usable_vocab = its length, its EOS a stop id); without a tokenizer the
     config alone. `usable_vocab` (the shared tokenizer's length of a student-teacher pair) overrides."""
-    from opdjax.models.tiny import load_tokenizer
-
     cfg = ModelConfig.from_dir(path)
     try:
         cfg = cfg.with_tokenizer(load_tokenizer(path))

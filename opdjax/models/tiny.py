@@ -13,6 +13,7 @@ from typing import Iterable
 import jax.numpy as jnp
 
 from opdjax.models import decoder, hf
+from opdjax.models.hf import load_tokenizer
 from opdjax.models.config import FAMILIES, ModelConfig
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
@@ -80,13 +81,6 @@ def make_tiny(out_dir: str | pathlib.Path, family: str = "qwen3", size: str = "t
     hf.save_model(out, cfg, model, dtype=jnp.dtype(dtype))
     tok.save_pretrained(out)
     return out
-
-
-def load_tokenizer(path: str | pathlib.Path):
-    """The tokenizer saved in a HF directory (local files only)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 __all__ = ["SIZES", "SPECIAL_TOKENS", "load_tokenizer", "make_tiny", "tiny_config", "train_tokenizer"]
