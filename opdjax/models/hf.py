@@ -144,6 +144,10 @@ def read_tensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
     return out
 
 
+# A tokenizer is saved in a HF directory iff one of these is (transformers would otherwise make an empty one).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path: str | pathlib.Path):
     """The tokenizer saved in a HF directory (local files only)."""
     from transformers import AutoTokenizer
@@ -156,10 +160,8 @@ def load_config(path: str | pathlib.Path, usable_vocab: int | None = None) -> Mo
     beside it (`ModelConfig.with_tokenizer`: usable_vocab = its length, its EOS a stop id); without a tokenizer the
     config alone. `usable_vocab` (the shared tokenizer's length of a student-teacher pair) overrides."""
     cfg = ModelConfig.from_dir(path)
-    try:
+    if any((pathlib.Path(path) / f).is_file() for f in TOKENIZER_FILES):
         cfg = cfg.with_tokenizer(load_tokenizer(path))
-    except (OSError, ValueError, TypeError):  # no (readable) tokenizer saved with the model
-        pass
     return cfg if usable_vocab is None else dataclasses.replace(cfg, usable_vocab=int(usable_vocab))
 
 
