@@ -136,6 +136,9 @@ class RolloutConfig:
     temperature: float = field(1.0, help="sampling temperature (0: greedy)")
     top_k: int = field(0, help="sample among the k most likely tokens (0: all)")
     top_p: float = field(1.0, help="nucleus sampling: the smallest set of tokens holding this probability, in (0, 1]")
+    stop_token_ids: tuple = field((), help="more token ids that end a completion, besides the student's own stop ids "
+                                           "(its tokenizer's EOS and every eos_token_id of config.json and "
+                                           "generation_config.json)")
     recipe: str | Recipe = field("none", choices=quant.RECIPES,
                                  help="simulated quantization of the engine: a quant.RECIPES preset or a recipe file "
                                       "(.json/.yaml); with engine=vllm, translated to vLLM's FP8 settings")
@@ -167,6 +170,9 @@ class RolloutConfig:
             raise ConfigError(f"rollout.temperature={self.temperature:g} is below {MIN_TEMPERATURE:g}: logits / "
                               "temperature overflow (vLLM treats it as greedy); use 0 for greedy decoding")
         _positive("rollout", "top_k", self.top_k, zero_ok=True)
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ConfigError(f"rollout.stop_token_ids: {t!r} is not a token id (expected integers >= 0)")
         _choice("rollout", "decode_attention", self.decode_attention)
         _endpoints("rollout", self.endpoints)
         if not 0 < self.top_p <= 1:

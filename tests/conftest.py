@@ -102,6 +102,20 @@ def pair(tmp_path_factory):
     return str(student), str(teacher)
 
 
+@pytest.fixture(scope="session")
+def padded_pair(pair, tmp_path_factory):
+    """(student_dir, teacher_dir) sharing the pair's tokenizer (259 tokens) in vocabularies padded past it, as real
+    pairs are (Qwen2.5: 151665 tokens in 151936 or 152064 rows): the student's rounded up to 128 rows (384), the
+    teacher's to 256 (512)."""
+    from opdjax.models.tiny import load_tokenizer, make_tiny
+
+    root = tmp_path_factory.mktemp("padded")
+    tok = load_tokenizer(pair[0])
+    student = make_tiny(root / "student", "qwen3", "tiny", seed=1, tokenizer=tok, vocab_multiple=128)
+    teacher = make_tiny(root / "teacher", "qwen3", "tiny", seed=2, tokenizer=tok, vocab_multiple=256)
+    return str(student), str(teacher)
+
+
 # The longest test files (measured from a cold cache on a 2-core AVX2 EPYC), started first: pytest-xdist's loadfile
 # scheduler hands files out in collection order, so a long file collected last would end the run on one worker
 # while the other idles.

@@ -65,8 +65,8 @@ def _serve(args) -> int:
     if args.print_command:
         raise config.ConfigError("--print-command prints the vLLM server command; add --engine vllm")
     if args.role == "rollout":
-        mcfg = ModelConfig.from_dir(student_path)
         tok = load_tokenizer(student_path)
+        mcfg = ModelConfig.from_dir(student_path).with_tokenizer(tok)
         _, params = hf.load_state(student_path, mcfg, param_dtype=cfg.student.dtype)
         server = EngineServer(engine=make_engine(cfg, student_path, mcfg, params, tok), token=token, host=args.host,
                               port=args.port, bridge_port=args.bridge_port, model_name=student_path,

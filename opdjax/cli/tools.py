@@ -13,7 +13,8 @@ __all__ = ["add_tool_commands"]
 
 
 def _make_tiny(args) -> int:
-    out = make_tiny(args.out_dir, args.family, args.size, seed=args.seed, dtype=args.dtype, chat=args.chat)
+    out = make_tiny(args.out_dir, args.family, args.size, seed=args.seed, dtype=args.dtype, chat=args.chat,
+                    vocab_multiple=args.vocab_multiple)
     chat = f" (chat template: {args.chat})" if args.chat else ""
     print(f"wrote {args.family}/{args.size} checkpoint and tokenizer{chat} to {out}")
     return 0
@@ -41,6 +42,8 @@ def add_tool_commands(subparsers) -> None:
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     t.add_argument("--chat", default=None, choices=sorted(CHAT_FORMATS),
                    help="give the tokenizer this family's chat template and special tokens")
+    t.add_argument("--vocab-multiple", type=int, default=64,
+                   help="vocab_size = the tokenizer's length rounded up to this (rows past it are padding)")
     t.set_defaults(func=guard(_make_tiny))
 
     c = subparsers.add_parser("convert", help="re-save a HF checkpoint (dtype change, sharding)")

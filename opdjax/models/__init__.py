@@ -2,8 +2,8 @@
 
 from opdjax.models.config import ConfigError, ModelConfig
 from opdjax.models.decoder import Decoder, KVCache, abstract, create, forward, init_cache
-from opdjax.models.hf import load_model, load_state, named_params, save_model, state_from_named
+from opdjax.models.hf import load_config, load_model, load_state, named_params, save_model, state_from_named
 from opdjax.models.safetensors_io import CheckpointError
 
 __all__ = ["CheckpointError", "ConfigError", "Decoder", "KVCache", "ModelConfig", "abstract", "create", "forward",
-           "init_cache", "load_model", "load_state", "named_params", "save_model", "state_from_named"]
+           "init_cache", "load_config", "load_model", "load_state", "named_params", "save_model", "state_from_named"]

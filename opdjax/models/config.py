@@ -2,6 +2,17 @@
 
 Both HF config styles are read: top-level `rope_theta` / `rope_scaling` (transformers < 5) and the v5
 `rope_parameters` dict. Configs are written in the v5 style, with `rope_theta` kept at top level too.
+
+Two facts a config.json alone does not hold are carried here too:
+
+- the stop ids (`eos_token_ids`): every id config.json's `eos_token_id` lists (an int or a list), with those of
+  `generation_config.json` (`from_dir`) and the tokenizer's EOS (`with_tokenizer`); `eos_token_id` stays the first.
+- the usable vocabulary (`usable_vocab`, set by `with_tokenizer` to the tokenizer's length): ids at or beyond it
+  are padding rows of the embedding and lm_head that no token id reaches (Qwen2.5 pads its 151665 tokens to 151936
+  or 152064 rows). The model's logits are over the usable ids only (`decoder.Decoder.logits` slices the lm_head),
+  so sampling, log-probs and top-k never see a padded id. Slicing the logits to the first U ids is the same as
+  masking the padded ones to -inf before the softmax: softmax over a subset of ids is the full softmax renormalised
+  over that subset, exp(z_v) / Σ_{u<U} exp(z_u).
 """
 
 from __future__ import annotations
@@ -51,6 +62,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    # Every stop id, eos_token_id first (normalised in __post_init__: eos_token_id is always in it).
+    eos_token_ids: tuple[int, ...] = ()
+    # Ids [0, usable_vocab) are the tokenizer's; rows at or beyond are padding (None: every row is usable).
+    usable_vocab: int | None = None
 
     def __post_init__(self):
         if self.model_type not in FAMILIES:
@@ -63,6 +78,33 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.usable_vocab is not None and not 1 <= self.usable_vocab <= self.vocab_size:
+            raise ConfigError(f"usable_vocab={self.usable_vocab} must be in [1, vocab_size={self.vocab_size}]")
+        stops = _ordered_ids((self.eos_token_id, *self.eos_token_ids))
+        object.__setattr__(self, "eos_token_ids", stops)
+        object.__setattr__(self, "eos_token_id", stops[0] if stops else None)
+
+    @property
+    def usable_size(self) -> int:
+        """The number of usable token ids: `usable_vocab`, or vocab_size when every row is usable."""
+        return self.vocab_size if self.usable_vocab is None else self.usable_vocab
+
+    def with_tokenizer(self, tokenizer) -> "ModelConfig":
+        """This config with the tokenizer's facts: usable_vocab = len(tokenizer) and its EOS among the stop ids.
+
+        ConfigError when the tokenizer has more ids than the model has rows."""
+        n = len(tokenizer)
+        if n > self.vocab_size:
+            raise ConfigError(f"the tokenizer has {n} tokens but the model's vocab_size is {self.vocab_size}; "
+                              f"expected vocab_size >= the tokenizer's length")
+        eos = getattr(tokenizer, "eos_token_id", None)
+        return dataclasses.replace(self, usable_vocab=n,
+                                   eos_token_ids=_ordered_ids((*self.eos_token_ids, eos)))
+
+    def with_generation_config(self, gen: dict[str, Any]) -> "ModelConfig":
+        """This config with the stop ids of a generation_config.json dict added (its eos_token_id: int or list)."""
+        return dataclasses.replace(self, eos_token_ids=_ordered_ids((*self.eos_token_ids,
+                                                                     *_as_ids(gen.get("eos_token_id")))))
 
     @property
     def architecture(self) -> str:
@@ -102,7 +144,7 @@ class ModelConfig:
             "use_cache": True,
             "torch_dtype": "float32",
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
         if self.model_type == "llama":
@@ -133,9 +175,7 @@ class ModelConfig:
             raise ConfigError(f"{source}: missing required keys {missing}")
         rope_type, rope_theta, extra = _read_rope(d, source)
         heads = int(d["num_attention_heads"])
-        eos = d.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+        eos = _as_ids(d.get("eos_token_id"))
         return cls(
             model_type=model_type,
             vocab_size=int(d["vocab_size"]),
@@ -154,25 +194,43 @@ class ModelConfig:
             attention_bias=bool(d.get("attention_bias", FAMILIES[model_type]["attention_bias"])),
             qk_norm=FAMILIES[model_type]["qk_norm"],
             bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos,
+            eos_token_ids=eos,
             pad_token_id=d.get("pad_token_id"),
         )
 
     @classmethod
     def from_dir(cls, path: str | pathlib.Path) -> "ModelConfig":
+        """config.json of a HF directory, with the stop ids of its generation_config.json when there is one."""
         p = pathlib.Path(path) / "config.json"
         if not p.is_file():
             raise ConfigError(f"{p}: no config.json (expected a Hugging Face model directory)")
-        try:
-            d = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: not valid JSON ({e})") from e
-        return cls.from_hf_dict(d, source=str(p))
+        cfg = cls.from_hf_dict(_read_json(p), source=str(p))
+        gen = pathlib.Path(path) / "generation_config.json"
+        return cfg.with_generation_config(_read_json(gen)) if gen.is_file() else cfg
 
     def save(self, path: str | pathlib.Path) -> None:
         p = pathlib.Path(path)
         p.mkdir(parents=True, exist_ok=True)
         (p / "config.json").write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
+
+
+def _read_json(p: pathlib.Path) -> dict[str, Any]:
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON ({e})") from e
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    """An `eos_token_id` value (None, an int, or a list of ints) as a tuple of ints."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _ordered_ids(ids) -> tuple[int, ...]:
+    """The distinct ints of `ids` in first-seen order, Nones dropped."""
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 _ROPE_KEYS = {

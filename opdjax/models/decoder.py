@@ -331,10 +331,12 @@ class Decoder(nnx.Module):
                                   dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def lm_head_kernel(self) -> Array:
-        """The output projection [E, V] in the compute dtype (the embedding transposed when tied)."""
-        if self.lm_head is None:
-            return self.embed[...].astype(self.dtype).T
-        return self.lm_head.kernel[...].astype(self.dtype)
+        """The output projection [E, U] in the compute dtype (the embedding transposed when tied), over the usable
+        ids only: U = cfg.usable_size <= V, the padding rows beyond the tokenizer dropped (`ModelConfig`), so every
+        logit, log-softmax, sample and top-k is over the ids a token can have."""
+        w_EV = self.embed[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        U = self.cfg.usable_size
+        return (w_EV if U == w_EV.shape[1] else w_EV[:, :U]).astype(self.dtype)
 
     def __call__(self, tokens_BT: Array, *, positions_BT: Array | None = None, valid_BT: Array | None = None,
                  cache: KVCache | None = None, quant: ForwardQuant | None = None,
@@ -389,8 +391,8 @@ class Decoder(nnx.Module):
         return x, tuple(ks), tuple(vs)
 
     def logits(self, h_BTE: Array, quant: ForwardQuant | None = None) -> Array:
-        """Logits [B, T, V] in f32 from final-norm hidden states: h @ `lm_head_kernel()` (the lm_head input through
-        the recipe's activation hook, as every Linear's)."""
+        """Logits [B, T, U] in f32 from final-norm hidden states: h @ `lm_head_kernel()` (the lm_head input through
+        the recipe's activation hook, as every Linear's); U = cfg.usable_size (V unless the vocabulary is padded)."""
         if quant is not None and self.lm_head is not None:
             h_BTE = quant.act(self.lm_head.name, h_BTE)
         return jnp.dot(h_BTE.astype(self.dtype), self.lm_head_kernel()).astype(jnp.float32)

@@ -7,6 +7,7 @@ checkpoint loading and saving, the weight bridge and quantization recipes (which
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -141,6 +142,27 @@ def read_tensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
                 raise CheckpointError(f"{f.name}: tensor {name!r} appears in more than one shard")
             out[name] = a
     return out
+
+
+# A tokenizer is saved in a HF directory iff one of these is (transformers would otherwise make an empty one).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: str | pathlib.Path):
+    """The tokenizer saved in a HF directory (local files only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def load_config(path: str | pathlib.Path, usable_vocab: int | None = None) -> ModelConfig:
+    """A HF directory's `ModelConfig` (config.json and generation_config.json) with the facts of the tokenizer saved
+    beside it (`ModelConfig.with_tokenizer`: usable_vocab = its length, its EOS a stop id); without a tokenizer the
+    config alone. `usable_vocab` (the shared tokenizer's length of a student-teacher pair) overrides."""
+    cfg = ModelConfig.from_dir(path)
+    if any((pathlib.Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        cfg = cfg.with_tokenizer(load_tokenizer(path))
+    return cfg if usable_vocab is None else dataclasses.replace(cfg, usable_vocab=int(usable_vocab))
 
 
 def load_state(path: str | pathlib.Path, cfg: ModelConfig | None = None, *, param_dtype=jnp.float32,

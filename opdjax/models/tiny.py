@@ -2,7 +2,7 @@
 
 Nothing is downloaded. The tokenizer splits digits individually (arithmetic tasks stay learnable), is loadable with
 `AutoTokenizer.from_pretrained`, and the model's vocab_size is the tokenizer's length rounded up to a multiple of
-64. head_dim is 32 or more so vLLM's CPU attention accepts the model.
+`vocab_multiple` (64 by default; the rows past the tokenizer are padding, as in Qwen2.5's checkpoints). head_dim is 32 or more so vLLM's CPU attention accepts the model.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from opdjax.models import decoder, hf
 from opdjax.models.chat_formats import CHAT_FORMATS, ChatFormat
+from opdjax.models.hf import load_tokenizer
 from opdjax.models.config import FAMILIES, ModelConfig
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
@@ -72,28 +73,24 @@ def tiny_config(family: str = "qwen3", size: str = "tiny", vocab_size: int = 320
 
 def make_tiny(out_dir: str | pathlib.Path, family: str = "qwen3", size: str = "tiny", *, seed: int = 0,
               corpus: Iterable[str] = (), tokenizer_vocab: int = 256, dtype: str = "float32",
-              tokenizer=None, chat: str | None = None, **overrides) -> pathlib.Path:
+              tokenizer=None, chat: str | None = None, vocab_multiple: int = 64, **overrides) -> pathlib.Path:
     """Write a random-init HF checkpoint and its tokenizer to out_dir; returns the directory.
 
     Pass `tokenizer` to reuse one (teacher and student must share a vocabulary), or `chat` (a `CHAT_FORMATS` family)
-    for a new one with that family's chat template.
+    for a new one with that family's chat template. vocab_size = len(tokenizer) rounded up to a multiple of
+    `vocab_multiple` (1: no padding rows).
     """
+    if vocab_multiple < 1:
+        raise ValueError(f"vocab_multiple must be >= 1, got {vocab_multiple}")
     out = pathlib.Path(out_dir)
     tok = tokenizer if tokenizer is not None else train_tokenizer(corpus, tokenizer_vocab, chat=chat)
-    vocab = ((len(tok) + 63) // 64) * 64
+    vocab = -(-len(tok) // vocab_multiple) * vocab_multiple
     ids = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     cfg = tiny_config(family, size, vocab_size=vocab, **{**ids, **overrides})
     model = decoder.create(cfg, seed=seed)
     hf.save_model(out, cfg, model, dtype=jnp.dtype(dtype))
     tok.save_pretrained(out)
     return out
-
-
-def load_tokenizer(path: str | pathlib.Path):
-    """The tokenizer saved in a HF directory (local files only)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 __all__ = ["CHAT_FORMATS", "SIZES", "SPECIAL_TOKENS", "load_tokenizer", "make_tiny", "tiny_config", "train_tokenizer"]

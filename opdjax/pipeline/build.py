@@ -88,22 +88,23 @@ def build(cfg: TrainConfig, log=print, *, with_teacher: bool = True, checked: in
         teacher_tok = load_tokenizer(teacher_path)
     except (OSError, ValueError):
         teacher_tok = None
-    student_cfg = ModelConfig.from_dir(student_path)
+    # The usable vocabulary (padding rows beyond the tokenizer dropped) and every stop id, from the tokenizer.
+    student_cfg = ModelConfig.from_dir(student_path).with_tokenizer(tokenizer)
     check_same_vocab(student_cfg, ModelConfig.from_dir(teacher_path), tokenizer, teacher_tok)
     inputs.check_chat_templates(cfg, task, tokenizer, teacher_tok)
     inputs.check_lengths(cfg, task, tokenizer, student_cfg.max_position_embeddings)
     student = cfg.student
     graphdef, params = hf.load_state(student_path, student_cfg, param_dtype=student.dtype,
                                      dtype=student.compute_dtype, attention=student.attention, remat=student.remat)
-    sampling = components.sampling_params(cfg, tokenizer)
+    sampling = components.sampling_params(cfg, student_cfg)
     learner = components.make_learner(cfg, graphdef, mesh, sampling)
     engine = components.make_engine(cfg, student_path, student_cfg, params, tokenizer, run_id=run_id)
     # Several learner processes: each scores its own rows, so an in-process teacher lives on its local devices.
     teacher_mesh = mesh if jax.process_count() == 1 else make_mesh((1, -1, 1), jax.local_devices())
     publisher, link = components.make_publisher(cfg, student_cfg, engine)
     parts = OPDParts(engine=engine, learner=learner, publisher=publisher, tokenizer=tokenizer, sampling=sampling,
-                     teacher=(components.make_teacher(cfg, teacher_path, teacher_mesh, run_id=run_id) if with_teacher
-                              else None),
+                     teacher=(components.make_teacher(cfg, teacher_path, teacher_mesh, student_cfg.usable_vocab,
+                                                      run_id=run_id) if with_teacher else None),
                      samples_per_prompt=cfg.rollout.samples_per_prompt, teacher_top_k=cfg.teacher.top_k, task=task)
     run = Run(cfg=cfg, parts=parts, student_cfg=student_cfg, graphdef=graphdef, params=params, mesh=mesh,
               out_dir=pathlib.Path(cfg.pipeline.out_dir), links=[link])
@@ -121,6 +122,7 @@ def make_evaluator(run: Run) -> Evaluator:
     engine = JaxEngine(run.student_cfg, None, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
     return Evaluator(engine, p.teacher, tok, Evaluator.held_out(p.task, cfg.pipeline.eval_prompts,
                                                                 cfg.pipeline.eval_seed),
-                     model_cfg=run.student_cfg, max_new_tokens=cfg.rollout.max_new_tokens, task=p.task)
+                     model_cfg=run.student_cfg, max_new_tokens=cfg.rollout.max_new_tokens, task=p.task,
+                     stop_token_ids=p.sampling.stop_token_ids)
 
 

@@ -5,10 +5,12 @@ settings (`rollout.*`). `pipeline.build` assembles them into a `Run`; `opdjax se
 
 from __future__ import annotations
 
+import dataclasses
+
 from flax import nnx
 from jax.sharding import Mesh
 
-from opdjax.config import TrainConfig
+from opdjax.config import ConfigError, TrainConfig
 from opdjax.core.corrections import Correction
 from opdjax.learner import Learner, make_optimizer
 from opdjax.models import ModelConfig
@@ -37,7 +39,8 @@ def make_engine(cfg: TrainConfig, student_path: str, student_cfg: ModelConfig, p
                             run=run_id)
     if rollout.engine == "vllm":
         return VllmEngine(student_path, dtype=rollout.dtype, seed=rollout.seed, fp8_emulation=rollout.fp8_emulation,
-                          recipe=None if rollout.recipe == "none" else rollout.recipe, **rollout.vllm)
+                          recipe=None if rollout.recipe == "none" else rollout.recipe,
+                          usable_vocab=student_cfg.usable_vocab, **rollout.vllm)
     return JaxEngine(student_cfg, params, mismatch=rollout.mismatch, seed=rollout.seed,
                      decode_attention=rollout.decode_attention, pad_id=tokenizer.pad_token_id,
                      eos_id=tokenizer.eos_token_id, dtype=rollout.dtype)
@@ -51,16 +54,20 @@ def make_publisher(cfg: TrainConfig, student_cfg: ModelConfig, engine: RolloutEn
     return engine_publisher(engine, student_cfg, transport=transport, root=sync.root or None, timeout=sync.timeout)
 
 
-def make_teacher(cfg: TrainConfig, teacher_path: str, mesh: Mesh, *, run_id: RunId | None = None) -> Teacher:
+def make_teacher(cfg: TrainConfig, teacher_path: str, mesh: Mesh, usable_vocab: int | None = None, *,
+                 run_id: RunId | None = None) -> Teacher:
     """The teacher named by `teacher.endpoints` (servers, bound to `run_id`) or `teacher.engine` (JAX in-process on
-    the learner's mesh, or vLLM)."""
+    the learner's mesh, or vLLM), scoring over the first `usable_vocab` ids (the shared tokenizer's length; None:
+    every row of its vocabulary)."""
     teacher, sync = cfg.teacher, cfg.sync
     if teacher.endpoints:
-        return RemoteTeacher(teacher.endpoints, read_token(sync.token_file), ModelConfig.from_dir(teacher_path),
+        mcfg = dataclasses.replace(ModelConfig.from_dir(teacher_path), usable_vocab=usable_vocab)
+        return RemoteTeacher(teacher.endpoints, read_token(sync.token_file), mcfg,
                              temperature=teacher.temperature, calls=sync.calls, run=run_id)
     if teacher.engine == "vllm":
-        return VllmTeacher(teacher_path, dtype=teacher.dtype)
-    return JaxTeacher.from_pretrained(teacher_path, dtype=teacher.dtype, mesh=mesh, temperature=teacher.temperature)
+        return VllmTeacher(teacher_path, dtype=teacher.dtype, usable_vocab=usable_vocab)
+    return JaxTeacher.from_pretrained(teacher_path, dtype=teacher.dtype, mesh=mesh, temperature=teacher.temperature,
+                                      usable_vocab=usable_vocab)
 
 
 def make_learner(cfg: TrainConfig, graphdef: nnx.GraphDef, mesh: Mesh, sampling: SamplingParams) -> Learner:
@@ -80,9 +87,17 @@ def make_learner(cfg: TrainConfig, graphdef: nnx.GraphDef, mesh: Mesh, sampling:
                    track_movement=cfg.pipeline.policy_movement)
 
 
-def sampling_params(cfg: TrainConfig, tokenizer, *, temperature: float | None = None) -> SamplingParams:
-    """`rollout.*` sampling settings (EOS stops a completion); `temperature` overrides rollout.temperature."""
+def sampling_params(cfg: TrainConfig, student_cfg: ModelConfig, *, temperature: float | None = None
+                    ) -> SamplingParams:
+    """`rollout.*` sampling settings; `temperature` overrides rollout.temperature. A completion stops at any of the
+    student's stop ids (`student_cfg.eos_token_ids`: config.json, generation_config.json and, after
+    `ModelConfig.with_tokenizer`, the tokenizer's EOS) and of `rollout.stop_token_ids`."""
     rollout = cfg.rollout
+    stops = tuple(dict.fromkeys((*student_cfg.eos_token_ids, *map(int, rollout.stop_token_ids))))
+    bad = [t for t in stops if not 0 <= t < student_cfg.usable_size]
+    if bad:
+        raise ConfigError(f"stop token id {bad[0]} (rollout.stop_token_ids or the student's eos_token_id) is outside "
+                          f"the student's vocabulary [0, {student_cfg.usable_size})")
     return SamplingParams(max_new_tokens=rollout.max_new_tokens,
                           temperature=rollout.temperature if temperature is None else temperature,
-                          top_k=rollout.top_k, top_p=rollout.top_p, stop_token_ids=(tokenizer.eos_token_id,))
+                          top_k=rollout.top_k, top_p=rollout.top_p, stop_token_ids=stops)

@@ -30,11 +30,12 @@ class Evaluator:
     """
 
     def __init__(self, engine: RolloutEngine, teacher: Teacher, tokenizer, examples: Sequence[Example], *,
-                 model_cfg: ModelConfig, max_new_tokens: int, task: Task | None = None, seed: int = 12345):
+                 model_cfg: ModelConfig, max_new_tokens: int, task: Task | None = None, seed: int = 12345,
+                 stop_token_ids: Sequence[int] = ()):
         self.engine, self.teacher, self.tokenizer, self.task = engine, teacher, tokenizer, task
         self.examples, self.model_cfg, self.seed = list(examples), model_cfg, seed
-        self.sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0,
-                                       stop_token_ids=(tokenizer.eos_token_id,))
+        stops = tuple(dict.fromkeys((tokenizer.eos_token_id, *stop_token_ids)))
+        self.sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, stop_token_ids=stops)
 
     def __call__(self, params, version: int) -> dict[str, float]:
         self.engine.update_weights(hf.named_params(self.model_cfg, gathered(params)), version)
@@ -50,7 +51,8 @@ class Evaluator:
         if self.task is None:
             return float("nan")
         greedy = self.engine.generate(prompts, dataclasses.replace(self.sampling, temperature=0.0), seed=0)
-        grades = [self.task.grade(ex, txt) for ex, txt in zip(self.examples, completion_texts(self.tokenizer, greedy))]
+        texts = completion_texts(self.tokenizer, greedy, self.sampling.stop_token_ids)
+        grades = [self.task.grade(ex, txt) for ex, txt in zip(self.examples, texts)]
         graded = [g for g in grades if g is not None]
         return float(np.mean(graded)) if graded else float("nan")
 

@@ -83,20 +83,21 @@ def generate(engine: RolloutEngine, tokenizer, examples: Sequence[Example], samp
     return batch
 
 
-def completion_texts(tokenizer, batch: RolloutBatch) -> list[str]:
-    """Completion text of each row, cut at EOS (the stop token is not part of the answer)."""
-    eos = tokenizer.eos_token_id
+def completion_texts(tokenizer, batch: RolloutBatch, stop_token_ids: Sequence[int] = ()) -> list[str]:
+    """Completion text of each row, cut at its first stop token (the tokenizer's EOS or any of `stop_token_ids`;
+    the stop token is not part of the answer)."""
+    stops = {tokenizer.eos_token_id, *stop_token_ids}
     out = []
     for ids in batch.completions():
-        if eos in ids:
-            ids = ids[: ids.index(eos)]
-        out.append(tokenizer.decode(ids, skip_special_tokens=True))
+        end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+        out.append(tokenizer.decode(ids[:end], skip_special_tokens=True))
     return out
 
 
-def rewards(task: Task, tokenizer, examples: Sequence[Example], batch: RolloutBatch) -> np.ndarray:
-    """Task reward of each row, reward_B (0 for ungraded examples)."""
-    texts = completion_texts(tokenizer, batch)
+def rewards(task: Task, tokenizer, examples: Sequence[Example], batch: RolloutBatch,
+            stop_token_ids: Sequence[int] = ()) -> np.ndarray:
+    """Task reward of each row, reward_B (0 for ungraded examples); completions cut at their first stop token."""
+    texts = completion_texts(tokenizer, batch, stop_token_ids)
     r = [task.grade(examples[i], t) for i, t in zip(batch.prompt_index_B, texts)]
     return np.asarray([0.0 if x is None else x for x in r], np.float32)
 
@@ -129,7 +130,7 @@ def train_on(parts: OPDParts, state: TrainState, batch: RolloutBatch, examples: 
         if "reward" in needs:
             if parts.task is None:
                 raise ValueError(f"train_on: the loss {parts.learner.loss_name!r} needs rewards: give OPDParts a task")
-            reward_B = rewards(parts.task, parts.tokenizer, examples, batch)
+            reward_B = rewards(parts.task, parts.tokenizer, examples, batch, parts.sampling.stop_token_ids)
         lb = learner_batch(batch, needs=needs, teacher=parts.teacher, teacher_top_k=parts.teacher_top_k,
                            reward_B=reward_B)
     with phases.time("train"):

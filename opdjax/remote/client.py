@@ -293,8 +293,8 @@ def _vllm_generate(s: Server, prompts: Sequence[Sequence[int]], sampling: Sampli
                    seed: int) -> dict[str, Any]:
     """Rows sampled by vLLM's token-in-token-out endpoint (one request per row, concurrently), as the completions
     response `protocol.rollout_batch` reads; each row's version: the oldest of its tokens' `weight_versions`."""
-    stop = sorted(set(map(int, sampling.stop_token_ids)) | ({int(s.info["eos_token_id"])}
-                                                            if s.info.get("eos_token_id") is not None else set()))
+    served = s.info.get("eos_token_ids") or ([s.info["eos_token_id"]] if s.info.get("eos_token_id") is not None else [])
+    stop = sorted(set(map(int, sampling.stop_token_ids)) | set(map(int, served)))
 
     def row(j: int) -> dict[str, Any]:
         body = {"token_ids": [int(t) for t in prompts[j]], "output_mode": "tokens",
@@ -350,10 +350,11 @@ class RemoteTeacher:
         info = s.info
         if info.get("role") != "teacher":
             raise ServerRefused(f"{s.endpoint} is a {info.get('role')!r} server, expected a teacher server")
-        if info.get("vocab_size") != self.cfg.vocab_size or info.get("model_type") != self.cfg.model_type:
-            raise ServerRefused(f"teacher server {s.endpoint} serves a {info.get('model_type')} with vocab "
-                                f"{info.get('vocab_size')}, expected the teacher's {self.cfg.model_type} with vocab "
-                                f"{self.cfg.vocab_size}")
+        served = (info.get("model_type"), info.get("vocab_size"), info.get("usable_vocab", info.get("vocab_size")))
+        if served != (self.cfg.model_type, self.cfg.vocab_size, self.cfg.usable_size):
+            raise ServerRefused(f"teacher server {s.endpoint} serves a {served[0]} with vocab {served[1]} ({served[2]} "
+                                f"usable), expected the teacher's {self.cfg.model_type} with vocab "
+                                f"{self.cfg.vocab_size} ({self.cfg.usable_size} usable)")
         if abs(float(info.get("temperature", 1.0)) - self.temperature) > 1e-9:
             raise ServerRefused(f"teacher server {s.endpoint} scores at temperature {info.get('temperature')}, the "
                                 f"run asks for teacher.temperature={self.temperature}")

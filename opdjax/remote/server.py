@@ -98,7 +98,7 @@ class EngineServer:
         self.engine, self.teacher, self.token, self.model_name = engine, teacher, token, model_name
         self.limits = limits
         mcfg = (engine if engine is not None else teacher).cfg
-        self.vocab_size, self.max_positions = int(mcfg.vocab_size), int(mcfg.max_position_embeddings)
+        self.vocab_size, self.max_positions = int(mcfg.usable_size), int(mcfg.max_position_embeddings)  # ids it takes
         self.refusal_log = RefusalLog(per_min=limits.refusal_log_per_min)
         self.refusals = self.refusal_log.recent  # the last refusals (bounded); refusal_log.count counts them all
         self._lock = threading.Lock()
@@ -176,7 +176,8 @@ class EngineServer:
                     **({"shm": {"root": self.shm_root}} if self.shm_root else {})}
         cfg = self.teacher.cfg
         return {"role": self.role, "model": self.model_name, "model_type": cfg.model_type,
-                "vocab_size": cfg.vocab_size, "temperature": float(getattr(self.teacher, "temperature", 1.0)),
+                "vocab_size": cfg.vocab_size, "usable_vocab": cfg.usable_size,
+                "temperature": float(getattr(self.teacher, "temperature", 1.0)),
                 "lease": self.lease.info()}
 
     def _gate(self, manifest) -> None:

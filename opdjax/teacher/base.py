@@ -15,7 +15,7 @@ import numpy as np
 from opdjax.core.errors import InputError
 from opdjax.models.config import ModelConfig
 
-__all__ = ["Teacher", "TeacherScores", "VocabMismatchError", "check_same_vocab", "check_in_vocab", "scores_from_engine"]
+__all__ = ["Teacher", "TeacherScores", "VocabMismatchError", "check_same_vocab", "check_in_vocab", "first_token_difference", "scores_from_engine"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,17 +58,44 @@ class VocabMismatchError(InputError):
     """Student and teacher do not share a vocabulary."""
 
 
-def check_same_vocab(student: ModelConfig, teacher: ModelConfig, student_tok=None, teacher_tok=None) -> None:
-    """Raise unless student and teacher agree on vocab size (and on the tokenizers' vocabularies, when given)."""
-    if student.vocab_size != teacher.vocab_size:
-        raise VocabMismatchError(f"student vocab_size={student.vocab_size} but teacher vocab_size="
-                                 f"{teacher.vocab_size}; OPD scores the student's tokens with the teacher, so both "
-                                 f"must share one tokenizer and vocabulary")
-    if student_tok is not None and teacher_tok is not None:
-        a, b = student_tok.get_vocab(), teacher_tok.get_vocab()
-        if a != b:
-            diff = sorted(set(a.items()) ^ set(b.items()))[:3]
-            raise VocabMismatchError(f"student and teacher tokenizers differ (e.g. {diff}); they must be identical")
+def check_same_vocab(student: ModelConfig, teacher: ModelConfig, student_tok=None, teacher_tok=None) -> int:
+    """The usable vocabulary U both models share; VocabMismatchError (one line) when they do not share one.
+
+    With both tokenizers: they must map every id to the same token (else the first differing id and its two
+    tokens are named), U = their length, and each model needs vocab_size >= U; rows beyond U are padding that no
+    token id reaches (Qwen2.5: 151665 tokens in 151936 or 152064 rows), excluded from every distribution. Without
+    both, the two vocab sizes must be equal (nothing says which rows are padding), and U = the student tokenizer's
+    length (or the student's usable size).
+    """
+    if student_tok is None or teacher_tok is None:
+        if student.vocab_size != teacher.vocab_size:
+            raise VocabMismatchError(f"student vocab_size={student.vocab_size} but teacher vocab_size="
+                                     f"{teacher.vocab_size}, and no tokenizer of both to tell padding rows from "
+                                     f"tokens; expected equal sizes or both models' tokenizers")
+        return len(student_tok) if student_tok is not None else student.usable_size
+    first = first_token_difference(student_tok, teacher_tok)
+    if first is not None:
+        i, a, b = first
+        raise VocabMismatchError(f"student and teacher tokenizers differ first at id {i}: student {a!r}, teacher "
+                                 f"{b!r}; OPD scores the student's tokens with the teacher, so they must be identical")
+    n = len(student_tok)
+    for role, cfg in (("student", student), ("teacher", teacher)):
+        if cfg.vocab_size < n:
+            raise VocabMismatchError(f"{role} vocab_size={cfg.vocab_size} is below the tokenizer's {n} tokens; "
+                                     f"expected vocab_size >= {n}")
+    return n
+
+
+def first_token_difference(tok_a, tok_b) -> tuple[int, str | None, str | None] | None:
+    """(id, token in a, token in b) of the lowest id the two tokenizers map differently (None: no such id; a
+    token is None where that tokenizer has no such id)."""
+    a = {i: t for t, i in tok_a.get_vocab().items()}
+    b = {i: t for t, i in tok_b.get_vocab().items()}
+    diff = [i for i in set(a) | set(b) if a.get(i) != b.get(i)]
+    if not diff:
+        return None
+    i = min(diff)
+    return i, a.get(i), b.get(i)
 
 
 def check_in_vocab(tokens_BT: np.ndarray, valid_BT: np.ndarray, vocab_size: int) -> None:

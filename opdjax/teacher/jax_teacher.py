@@ -26,15 +26,18 @@ class JaxTeacher:
         self.engine = JaxEngine(cfg, params, graphdef=graphdef, mesh=mesh, dtype=dtype)
 
     @classmethod
-    def from_pretrained(cls, path, *, dtype=jnp.float32, mesh=None, temperature: float = 1.0) -> "JaxTeacher":
-        cfg = ModelConfig.from_dir(path)
+    def from_pretrained(cls, path, *, dtype=jnp.float32, mesh=None, temperature: float = 1.0,
+                        usable_vocab: int | None = None) -> "JaxTeacher":
+        """The teacher of a HF directory, over the ids of its tokenizer (`hf.load_config`; usable_vocab, the shared
+        tokenizer's length, overrides): padded vocabulary rows are never scored or in a top-k."""
+        cfg = hf.load_config(path, usable_vocab)
         graphdef, params = hf.load_state(path, cfg, param_dtype=dtype, dtype=dtype)
         return cls(cfg, graphdef, params, mesh=mesh, temperature=temperature)
 
     def score(self, tokens_BT: np.ndarray, valid_BT: np.ndarray, needs: frozenset[str] = frozenset({"teacher_logp"}),
               top_k: int = 16) -> TeacherScores:
         """The teacher data a loss `needs` (see `core.losses.NEEDS`) for these sequences, as host arrays."""
-        check_in_vocab(tokens_BT, valid_BT, self.cfg.vocab_size)
+        check_in_vocab(tokens_BT, valid_BT, self.cfg.usable_size)
         s = self.engine.score(tokens_BT, valid_BT, temperature=self.temperature,
                               top_k=top_k if "teacher_topk" in needs else 0,
                               full_logits="teacher_logits" in needs)

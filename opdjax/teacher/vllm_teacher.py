@@ -34,6 +34,6 @@ class VllmTeacher:
         if "teacher_logits" in needs:
             raise ValueError("VllmTeacher cannot provide full teacher logits (needs 'teacher_logits'); use "
                              "teacher.engine=jax or a loss that needs only teacher_logp / teacher_topk")
-        check_in_vocab(tokens_BT, valid_BT, self.cfg.vocab_size)
+        check_in_vocab(tokens_BT, valid_BT, self.cfg.usable_size)
         k = top_k if "teacher_topk" in needs else 0
         return scores_from_engine(self.engine.score(tokens_BT, valid_BT, top_k=k))

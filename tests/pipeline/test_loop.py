@@ -156,8 +156,24 @@ def test_losses_get_the_teacher_data_they_declare(pair, tmp_path, loss):
 def test_student_and_teacher_vocabularies_must_agree(pair, tmp_path):
     other = make_tiny(tmp_path / "other", "qwen3", "tiny", corpus=["completely different text " * 50],
                       tokenizer_vocab=400)
-    with pytest.raises(VocabMismatchError, match="vocab"):
+    with pytest.raises(VocabMismatchError, match="tokenizers differ first at id"):
         pipeline.train(_cfg(pair, tmp_path, f"teacher={other}"), log=lambda s: None)
+
+
+def test_a_pair_with_padded_vocabularies_trains_end_to_end(padded_pair, tmp_path):
+    """Student vocab_size 384, teacher 512, one tokenizer of 259 tokens: the run trains (top-k forward KL, whose
+    teacher support must be tokens the student can score), and the teacher's top-k never holds a padded id."""
+    from opdjax.pipeline import build as build_mod
+
+    cfg = _cfg(padded_pair, tmp_path, "loss.name=forward_kl_topk", "pipeline.steps=2", "pipeline.eval_every=0")
+    summary = pipeline.train(cfg, log=lambda s: None)
+    assert summary["steps"] == 2
+    assert all(np.isfinite(x["loss"]) for x in _lines(tmp_path) if "loss" in x)
+    with build_mod.build(cfg) as run:
+        assert run.student_cfg.usable_size == run.parts.teacher.cfg.usable_size == 259
+        batch = run.parts.engine.generate([[5, 6, 7]] * 4, run.parts.sampling, seed=0)
+        top = run.parts.teacher.score(batch.tokens_BT, batch.valid_BT, frozenset({"teacher_topk"}), top_k=64)
+        assert top.teacher_topk_ids_BTK.max() < 259
 
 
 def test_real_checkpoints_with_jsonl_prompts(pair, tmp_path):

@@ -74,3 +74,20 @@ def test_admit_probes_real_vllm_candidates(vllm_module, pair):
     assert rows[0].verdict == "ADMIT" and rows[0].m < 1e-6
     for row in rows[1:]:
         assert row.m > 10 * max(rows[0].m, 1e-9) and row.verdict in ("REJECT", "UNCERTAIN"), row
+
+
+@pytest.mark.vllm
+def test_a_padded_pair_trains_with_vllm_rollouts(vllm_module, padded_pair, tmp_path):
+    """Student vocab_size 384, teacher 512, one tokenizer of 259 tokens: vLLM samples only tokenizer ids (a padded
+    id would be refused by the teacher), and its log-probs match the learner's over the same 259 ids."""
+    cfg = load(TrainConfig, None, [
+        f"student={padded_pair[0]}", f"teacher={padded_pair[1]}", "task.options={digits: 1}", "rollout.engine=vllm",
+        "rollout.vllm={kv_cache_memory_bytes: 33554432, max_num_seqs: 16}", "rollout.batch_size=8",
+        "rollout.temperature=2.0", "rollout.max_new_tokens=4", "pipeline.steps=2", "pipeline.eval_every=0",
+        "loss.name=forward_kl_topk", "pipeline.eval_prompts=8", "pipeline.progress=false",
+        "pipeline.tensorboard=false", f"pipeline.out_dir={tmp_path / 'run'}"])
+    summary = pipeline.train(cfg, log=lambda s: None)
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in steps if "loss" in x]
+    assert summary["steps"] == 2 and len(steps) == 2
+    assert all(x["mismatch/abs_log_ratio_max"] < 1e-3 for x in steps)

@@ -204,7 +204,7 @@ def test_client_error_paths_are_clear(pair, tmp_path):
     from opdjax.core.errors import InputError
     from opdjax.remote.client import RemoteTeacher, ServersUnavailable, read_token
 
-    mcfg = ModelConfig.from_dir(pair[0])
+    mcfg = hf.load_config(pair[0])  # as a run's: the usable vocabulary is the tokenizer's (the servers' too)
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]

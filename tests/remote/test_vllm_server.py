@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from opdjax.learner.learner import Learner
-from opdjax.models import ModelConfig, decoder
+from opdjax.models import decoder, hf
 from opdjax.remote.client import CallSettings, RemoteEngine, RemoteTeacher
 from opdjax.rollout import SamplingParams
 from opdjax.sync import BridgeError, Publisher
@@ -87,7 +87,7 @@ def test_every_endpoint_but_health_needs_the_token(servers):
 
 
 def test_a_publish_is_validated_applied_and_tags_every_rollout(servers, pair):
-    cfg = ModelConfig.from_dir(pair[0])
+    cfg = hf.load_config(pair[0])  # the server samples the tokenizer's 259 ids, not the 320 rows
     with RemoteEngine([f"127.0.0.1:{servers['rollout']['port']}"], SECRET, cfg, pad_id=0,
                       calls=CallSettings(wait_s=10)) as remote:
         assert remote.pool.servers[0].dialect == "vllm"
@@ -112,7 +112,7 @@ def test_a_publish_is_validated_applied_and_tags_every_rollout(servers, pair):
 
 
 def test_a_vllm_server_on_this_host_takes_weights_from_shared_memory(servers, pair):
-    cfg = ModelConfig.from_dir(pair[0])
+    cfg = hf.load_config(pair[0])  # the server samples the tokenizer's 259 ids, not the 320 rows
     with RemoteEngine([f"127.0.0.1:{servers['rollout']['port']}"], SECRET, cfg, pad_id=0, transport="shm",
                       shm_root=servers["shm"], calls=CallSettings(wait_s=10)) as remote:
         params = nnx.state(decoder.create(cfg, seed=32))
@@ -126,7 +126,7 @@ def test_a_vllm_server_on_this_host_takes_weights_from_shared_memory(servers, pa
 
 
 def test_the_vllm_teacher_scores_like_the_jax_teacher(servers, pair):
-    cfg = ModelConfig.from_dir(pair[1])
+    cfg = hf.load_config(pair[1])  # the pair pads 259 tokens to 320 rows: both teachers score the 259
     with RemoteTeacher([f"127.0.0.1:{servers['teacher']['port']}"], SECRET, cfg, temperature=1.0,
                        calls=CallSettings(wait_s=10)) as remote:
         tokens = np.array([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], np.int32)
@@ -146,7 +146,7 @@ def test_vllms_server_serves_one_run_and_tags_every_token_with_it(servers, pair)
     from opdjax.remote.client import ServerBusy
     from opdjax.remote.lease import RunId
 
-    cfg = ModelConfig.from_dir(pair[0])
+    cfg = hf.load_config(pair[0])  # the server samples the tokenizer's 259 ids, not the 320 rows
     end, params = [f"127.0.0.1:{servers['rollout']['port']}"], nnx.state(decoder.create(cfg, seed=33))
     a = RemoteEngine(end, SECRET, cfg, pad_id=0, calls=CallSettings(wait_s=10), run=RunId.fresh("host:/runs/a"))
     try:

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from opdjax import quant
-from opdjax.models import ModelConfig, decoder, hf
+from opdjax.models import decoder, hf
 from opdjax.remote.client import CallSettings, RemoteEngine
 from opdjax.rollout import SamplingParams
 from opdjax.rollout import EngineMismatch, JaxEngine
@@ -68,14 +68,14 @@ def _weights(url) -> dict:
 
 
 def test_publishes_over_the_bridge_land_in_fp8_in_vllms_own_server(server, pair):
-    cfg = ModelConfig.from_dir(pair[0])
+    cfg = hf.load_config(pair[0])  # the server samples the tokenizer's 259 ids, not the 320 rows
     with RemoteEngine([f"127.0.0.1:{server['port']}"], SECRET, cfg, pad_id=0, calls=CallSettings(wait_s=10)) as remote:
         w0 = _weights(server["url"])
         assert w0["fp8_emulation"] == "token"  # fp8_w8a8: per-token activations, as on Hopper
         engines = {k: JaxEngine(cfg, dtype="bfloat16", mismatch=EngineMismatch(recipe=r))
                    for k, r in rivals(quant.get_recipe("fp8_w8a8")).items()}
         rng = np.random.default_rng(0)
-        prompts = [rng.integers(3, 300, size=rng.integers(3, 10)).tolist() for _ in range(16)]
+        prompts = [rng.integers(3, cfg.usable_size, size=rng.integers(3, 10)).tolist() for _ in range(16)]
         sp = SamplingParams(max_new_tokens=8)
         prev = None
         for version, seed in ((1, 41), (2, 42)):

@@ -501,3 +501,17 @@ def test_sampler_draws_exactly_what_jax_random_categorical_draws():
     np.testing.assert_array_equal(g, jax.vmap(lambda k: jax.random.gumbel(k, (300,)))(keys))
     np.testing.assert_array_equal(jax_engine.argmax_first(logits), jnp.argmax(logits, -1))
     np.testing.assert_array_equal(jax_engine.argmax_first(jnp.zeros((2, 5))), [0, 0])
+
+
+def test_the_engine_never_samples_a_padded_vocabulary_row(padded_pair):
+    """A student of 384 rows and a 259-token tokenizer samples (hot, so the random padded rows would often win) only
+    ids < 259; the same engine over every row samples padded ids, so the check can fail."""
+    from opdjax.models.tiny import load_tokenizer
+
+    sp = SamplingParams(max_new_tokens=8, temperature=5.0)
+    prompts = [[5, 6, 7]] * 16
+    pad = load_tokenizer(padded_pair[0]).pad_token_id
+    fixed = JaxEngine.from_pretrained(padded_pair[0], pad_id=pad).generate(prompts, sp, seed=0)
+    assert fixed.tokens_BT[fixed.completion_mask_BT].max() < 259
+    every_row = JaxEngine.from_pretrained(padded_pair[0], pad_id=pad, usable_vocab=384).generate(prompts, sp, seed=0)
+    assert every_row.tokens_BT[every_row.completion_mask_BT].max() >= 259
