@@ -27,7 +27,7 @@ def main(model_dir: str | None = None, recipe: str = "fp8_w8a8") -> dict:
     # weights, activations (and KV) as served
     engine = opdjax.JaxEngine.from_pretrained(model_dir, mismatch=opdjax.EngineMismatch(recipe=recipe))
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, cfg.vocab_size, 6).tolist() for _ in range(16)]
+    prompts = [rng.integers(3, engine.cfg.usable_size, 6).tolist() for _ in range(16)]  # ids the tokenizer has
     batch = engine.generate(prompts, opdjax.SamplingParams(max_new_tokens=16), seed=0)
     learner_logp_BT = clean.score(batch.tokens_BT, batch.valid_BT)["logp_BT"]
     m = opdjax.mismatch.metrics(learner_logp_BT, batch.rollout_logp_BT, batch.completion_mask_BT)

@@ -19,6 +19,7 @@ from opdjax.pipeline.opd import learner_batch
 from opdjax.remote.client import CallSettings, RemoteEngine
 from opdjax.remote.server import EngineServer
 from opdjax.rollout.jax_engine import JaxEngine
+from opdjax.sync import Publisher
 
 PROMPT = [5, 9, 14, 20]
 N = 8
@@ -69,9 +70,10 @@ def test_a_served_engine_stops_at_the_second_listed_eos(stop_model):
     sp = sampling_params(_cfg(), cfg)
     engine = JaxEngine.from_pretrained(d, pad_id=load_tokenizer(d).pad_token_id, eos_id=None)
     with EngineServer(engine=engine, token="stop-secret") as server:
-        remote = RemoteEngine([f"127.0.0.1:{server.port}"], "stop-secret", cfg, pad_id=0,
-                              calls=CallSettings(wait_s=5))
-        _check_stops_at_x(remote.generate([PROMPT], sp, seed=0), x, k)
+        with RemoteEngine([f"127.0.0.1:{server.port}"], "stop-secret", cfg, pad_id=0,
+                          calls=CallSettings(wait_s=5)) as remote:
+            Publisher(cfg, remote.link, dtype="float32").publish(hf.read_tensors(d), 0)  # the run's weights first
+            _check_stops_at_x(remote.generate([PROMPT], sp, seed=0), x, k)
 
 
 @pytest.mark.slow  # one vLLM engine start

@@ -120,7 +120,7 @@ def test_a_second_run_is_refused_and_a_taken_over_run_fails_loudly(pair):
 
 def test_a_teacher_server_serves_one_run_too(pair):
     with EngineServer(teacher=JaxTeacher.from_pretrained(pair[1]), token=TOKEN) as ts:
-        tcfg = ModelConfig.from_dir(pair[1])
+        tcfg = hf.load_config(pair[1])  # the usable vocabulary: the tokenizer's
         a = RemoteTeacher([f"127.0.0.1:{ts.port}"], TOKEN, tcfg, temperature=1.0, calls=FAST, run=_run("a"))
         with pytest.raises(ServerBusy, match="teacher server .* serves run a"):
             RemoteTeacher([f"127.0.0.1:{ts.port}"], TOKEN, tcfg, temperature=1.0, calls=FAST, run=_run("b"))
