@@ -52,12 +52,14 @@ def _serve(args) -> int:
     if args.engine is not None:
         section = "rollout" if args.role == "rollout" else "teacher"
         args.overrides = [f"{section}.engine={args.engine}", *args.overrides]
-    cfg = config.load(config.TrainConfig, args.config, args.overrides)
-    if cfg.rollout.endpoints or cfg.teacher.endpoints:
-        raise config.ConfigError("a server runs its engine itself: drop rollout.endpoints / teacher.endpoints")
-    token = read_token(args.token_file)
-    for what, port in (("--port", args.port), ("--bridge-port", args.bridge_port)):
-        _check_port_free(args.host, port, what)  # before minutes of model loading, not after
+    # rollout.endpoints / teacher.endpoints are where the learner finds the servers: a server ignores them, so one
+    # config file serves every command of a run
+    cfg = config.load(config.TrainConfig, args.config,
+                      [*args.overrides, "rollout.endpoints=[]", "teacher.endpoints=[]"])
+    token = "" if args.print_command else read_token(args.token_file)  # a printed command runs elsewhere: its
+    for what, port in (("--port", args.port), ("--bridge-port", args.bridge_port)):  # token file and ports there
+        if not args.print_command:
+            _check_port_free(args.host, port, what)  # before minutes of model loading, not after
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731  stdout carries the ready line only
     student_path, teacher_path = resolve_models(cfg, log)
     if (cfg.rollout.engine if args.role == "rollout" else cfg.teacher.engine) == "vllm":

@@ -379,8 +379,7 @@ class Decoder(nnx.Module):
             return block(x, cos, sin, k, v, visible_BTS, index, quant, lay.fused, merged_i, lay.span)
 
         if self.remat != "none":
-            policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if self.remat == "dots" else None
-            run = nnx.remat(run, policy=policy)
+            run = _remat(run, jax.checkpoint_policies.dots_with_no_batch_dims_saveable if self.remat == "dots" else None)
         ks, vs = [], []
         for i, block in enumerate(self.layers):
             k_i, v_i = (cache.k[i], cache.v[i]) if cache is not None else (None, None)
@@ -488,3 +487,17 @@ def abstract(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, at
 def forward(graphdef: nnx.GraphDef, params: Any, tokens_BT: Array, **kwargs) -> tuple[Array, KVCache | None]:
     """Functional entry point usable inside jax.jit: merge (graphdef, params) and run the decoder."""
     return nnx.merge(graphdef, params)(tokens_BT, **kwargs)
+
+
+def _remat(run, policy):
+    """`run(block, *args)` recomputed in the backward pass (`jax.checkpoint` with `policy`). The block's state goes
+    in as an explicit argument and the block is rebuilt inside (nnx.split / nnx.merge), so it works under any outer
+    JAX transform (a `lax.scan` over micro-batches): nnx.remat would write the block's state back across trace
+    levels there."""
+    def wrapped(block, *args):
+        graphdef, state = nnx.split(block)
+
+        def pure(state, *args):
+            return run(nnx.merge(graphdef, state), *args)
+        return jax.checkpoint(pure, policy=policy)(state, *args)
+    return wrapped

@@ -7,6 +7,7 @@ Nothing is downloaded. The tokenizer splits digits individually (arithmetic task
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Iterable
 
@@ -93,4 +94,37 @@ def make_tiny(out_dir: str | pathlib.Path, family: str = "qwen3", size: str = "t
     return out
 
 
-__all__ = ["CHAT_FORMATS", "SIZES", "SPECIAL_TOKENS", "load_tokenizer", "make_tiny", "tiny_config", "train_tokenizer"]
+# chat format -> (model family, the tokens generation_config.json lists after the end of turn), as the real instruct
+# checkpoints list them (Qwen2.5/Qwen3-Instruct: <|im_end|>, <|endoftext|>; Llama-3.1-Instruct: <|eot_id|>,
+# <|end_of_text|>, ...)
+INSTRUCT: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qwen2.5": ("qwen2", ("<|endoftext|>",)),
+    "qwen3": ("qwen3", ("<|endoftext|>",)),
+    "llama3": ("llama", ("<|end_of_text|>",)),
+}
+
+
+def make_instruct_pair(out_dir: str | pathlib.Path, chat: str, *, student_size: str = "tiny",
+                       teacher_size: str = "small", seed: int = 0, corpus: Iterable[str] = ()
+                       ) -> tuple[pathlib.Path, pathlib.Path]:
+    """(student, teacher) directories under out_dir: random tiny models of `chat`'s family (`INSTRUCT`) with the
+    quirks of real instruct pairs — one tokenizer with the family's chat template, vocab_size padded past it
+    (student: to a multiple of 128, teacher: 256, as Qwen2.5 3B vs 7B differ), and generation_config.json listing
+    several stop ids (the end of turn first)."""
+    if chat not in INSTRUCT:
+        raise ValueError(f"unknown instruct family {chat!r}; choose one of {sorted(INSTRUCT)}")
+    family, extra_stops = INSTRUCT[chat]
+    out = pathlib.Path(out_dir)
+    student = make_tiny(out / "student", family, student_size, seed=seed, corpus=corpus, chat=chat,
+                        vocab_multiple=128)
+    tok = load_tokenizer(student)
+    teacher = make_tiny(out / "teacher", family, teacher_size, seed=seed + 1, tokenizer=tok, vocab_multiple=256)
+    stops = [tok.eos_token_id, *tok.convert_tokens_to_ids(list(extra_stops))]
+    for d in (student, teacher):
+        gen = {"bos_token_id": tok.bos_token_id, "pad_token_id": tok.pad_token_id, "eos_token_id": stops}
+        (d / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return student, teacher
+
+
+__all__ = ["CHAT_FORMATS", "INSTRUCT", "SIZES", "SPECIAL_TOKENS", "load_tokenizer", "make_instruct_pair", "make_tiny",
+           "tiny_config", "train_tokenizer"]
