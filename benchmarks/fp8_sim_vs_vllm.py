@@ -60,7 +60,7 @@ def main() -> None:
     params = jax.tree.map(lambda x: x * a.mult if x.ndim == 2 else x, nnx.state(decoder.create(cfg, seed=a.seed)))
     named = hf.named_params(cfg, params)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 300, size=rng.integers(4, 12)).tolist() for _ in range(a.prompts)]
+    prompts = [rng.integers(3, 256, size=rng.integers(4, 12)).tolist() for _ in range(a.prompts)]
     sp = SamplingParams(max_new_tokens=a.tokens, temperature=1.0)
 
     def jax_engine(recipe=None):

@@ -33,7 +33,7 @@ from flax import nnx  # noqa: E402
 
 from opdjax import quant  # noqa: E402
 from opdjax.core import mismatch  # noqa: E402
-from opdjax.models import ModelConfig, decoder, hf  # noqa: E402
+from opdjax.models import decoder, hf  # noqa: E402
 from opdjax.models.tiny import make_tiny  # noqa: E402
 from opdjax.rollout import SamplingParams  # noqa: E402
 from opdjax.rollout import EngineMismatch, JaxEngine  # noqa: E402
@@ -110,10 +110,10 @@ def main(argv=None) -> int:
     scheme = target_activations(fp8_emulation=a.emulate) or "token"
     recipe = "fp8_w8a8" if scheme == "token" else "fp8_w8a8_tensor"
     d = make_tiny(tempfile.mkdtemp() + "/m", "qwen3", "tiny", seed=0)
-    cfg = ModelConfig.from_dir(d)
+    cfg = hf.load_config(d)  # the ids its tokenizer has (vLLM samples those)
     engine = VllmEngine(d, recipe=recipe, fp8_emulation=a.emulate, seed=0, **ENGINE_KW)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 300, size=rng.integers(4, 12)).tolist() for _ in range(a.prompts)]
+    prompts = [rng.integers(3, 256, size=rng.integers(4, 12)).tolist() for _ in range(a.prompts)]
     sp = SamplingParams(max_new_tokens=8, temperature=1.0)
     rows = []
     for seed in (41, 42):

@@ -16,7 +16,7 @@ D = opdjax.TrainConfig()  # the library's default hyper-parameters (their one so
 
 def main(student: str, teacher: str, steps: int = 20, seed: int = 0, task=None, batch_size: int = D.rollout.batch_size,
          eval_prompts: int = D.pipeline.eval_prompts, log=print) -> list[dict]:
-    tok, cfg, mesh = load_tokenizer(student), opdjax.ModelConfig.from_dir(student), make_mesh(D.mesh.shape)
+    tok, cfg, mesh = load_tokenizer(student), opdjax.load_config(student), make_mesh(D.mesh.shape)
     graphdef, params = hf.load_state(student, cfg)
     o, n = D.optim, D.rollout.max_new_tokens
     tx, schedule = opdjax.make_optimizer(lr=o.lr, total_steps=steps, warmup_steps=o.warmup_steps,

@@ -15,7 +15,6 @@ from opdjax.models.tiny import make_tiny
 
 def main(model_dir: str | None = None, recipe: str = "fp8_w8a8") -> dict:
     model_dir = model_dir or str(make_tiny(tempfile.mkdtemp(), "qwen3", "tiny", seed=0, corpus=["1+2=3"]))
-    cfg = opdjax.ModelConfig.from_dir(model_dir)
     named = hf.read_tensors(model_dir)  # your weights: HF name -> array
     r = opdjax.quant.get_recipe(recipe)
     kernels = {n: a.T for n, a in named.items() if opdjax.quant.weight_spec(r, n, a.ndim) is not None}

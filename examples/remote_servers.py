@@ -42,7 +42,7 @@ def main(student: str, teacher: str, steps: int = 2) -> list[dict]:
             procs.append(p)
             ports.append(port)
         r_port, t_port = ports
-        tok, cfg, token = load_tokenizer(student), opdjax.ModelConfig.from_dir(student), read_token(token_file)
+        tok, cfg, token = load_tokenizer(student), opdjax.load_config(student), read_token(token_file)
         graphdef, params = hf.load_state(student, cfg)
         engine = RemoteEngine([f"127.0.0.1:{r_port}"], token, cfg, pad_id=tok.pad_token_id)
         teacher_client = RemoteTeacher([f"127.0.0.1:{t_port}"], token, cfg, temperature=1.0)

@@ -25,7 +25,7 @@ EXPORTS: dict[str, str] = {
     "quant": "opdjax.quant",
     "Batch": "opdjax.core.types", "Correction": "opdjax.core.corrections",
     "register_loss": "opdjax.core.losses", "register_correction": "opdjax.core.corrections",
-    "ModelConfig": "opdjax.models",
+    "ModelConfig": "opdjax.models", "load_config": "opdjax.models",
     "RolloutBatch": "opdjax.rollout", "RolloutEngine": "opdjax.rollout", "SamplingParams": "opdjax.rollout",
     "JaxEngine": "opdjax.rollout", "EngineMismatch": "opdjax.rollout", "VllmEngine": "opdjax.rollout.vllm_engine",
     "Teacher": "opdjax.teacher", "TeacherScores": "opdjax.teacher", "JaxTeacher": "opdjax.teacher",

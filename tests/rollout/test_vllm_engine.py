@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from opdjax.learner.learner import Learner  # noqa: E402
-from opdjax.models import ModelConfig, decoder, hf  # noqa: E402
+from opdjax.models import decoder, hf  # noqa: E402
 from opdjax.models.tiny import make_tiny  # noqa: E402
 from opdjax.rollout import SamplingParams  # noqa: E402
 from opdjax.sync import BridgeError  # noqa: E402
@@ -39,7 +39,7 @@ def engine(model_dir, vllm_module):
 
 @pytest.fixture(scope="module")
 def cfg(model_dir):
-    return ModelConfig.from_dir(model_dir)
+    return hf.load_config(model_dir)  # the ids its tokenizer has (vLLM samples those)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def _params(cfg, seed):
 
 def _prompts(n=6, seed=0, lo=3, hi=12):
     rng = np.random.default_rng(seed)
-    return [rng.integers(3, 300, size=rng.integers(lo, hi)).tolist() for _ in range(n)]
+    return [rng.integers(3, 256, size=rng.integers(lo, hi)).tolist() for _ in range(n)]
 
 
 def _gap(learner, params, batch, temperature=1.0):
@@ -88,7 +88,7 @@ def test_prefix_cache_never_serves_old_weight_kv(engine, cfg, learner):
     """Long shared prompts (several KV blocks) are cached at v3; after publishing v4 the same prompts follow v4."""
     p3, p4 = _params(cfg, 13), _params(cfg, 14)
     engine.update_weights(hf.named_params(cfg, p3), 3)
-    base = np.random.default_rng(5).integers(3, 300, size=300).tolist()
+    base = np.random.default_rng(5).integers(3, 256, size=300).tolist()
     prompts = [base + [7 + j] for j in range(4)]
     sp = SamplingParams(max_new_tokens=4, temperature=1.0)
     for _ in range(2):  # the second pass is served from the prefix cache
@@ -108,7 +108,7 @@ def test_prefix_cache_hazard_is_real_without_reset(engine, cfg, learner):
 
     p5, p6 = _params(cfg, 15), _params(cfg, 16)
     engine.update_weights(hf.named_params(cfg, p5), 5)
-    base = np.random.default_rng(6).integers(3, 300, size=300).tolist()
+    base = np.random.default_rng(6).integers(3, 256, size=300).tolist()
     prompts = [base + [9 + j] for j in range(4)]
     sp = SamplingParams(max_new_tokens=4, temperature=1.0)
     engine.generate(prompts, sp, seed=2)  # fills the cache with v5 KV

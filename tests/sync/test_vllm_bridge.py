@@ -14,7 +14,7 @@ from flax import nnx  # noqa: E402
 
 from opdjax import quant  # noqa: E402
 from opdjax.learner.learner import Learner  # noqa: E402
-from opdjax.models import ModelConfig, decoder, hf  # noqa: E402
+from opdjax.models import decoder, hf  # noqa: E402
 from opdjax.models.tiny import make_tiny  # noqa: E402
 from opdjax.rollout import SamplingParams  # noqa: E402
 from opdjax.sync import (  # noqa: E402
@@ -38,7 +38,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cfg(model_dir):
-    return ModelConfig.from_dir(model_dir)
+    return hf.load_config(model_dir)  # the ids its tokenizer has (vLLM samples those)
 
 
 @pytest.fixture(scope="module")
