@@ -94,8 +94,9 @@ class Learner:
     adapter        how to read the model (`learner.adapters`; default: opdjax's `Decoder`)
     track_movement log `policy/step_k3`, the student's movement per step (`step_movement_k3`; one more forward)
     trim_padding   step on the batch cut after its last real position, rounded up to a `length_bucket`
-                   (`trim_padding`): trailing all-padding columns cost compute and change nothing but float
-                   rounding; False steps on the full width (one process only: several keep the full width)
+                   (`trim_padding`; one process only): trailing all-padding columns cost compute and change
+                   nothing but float rounding. Off by default: it pays only when every row stops well short of
+                   the batch width (docs/results/long-responses.md); each new bucket compiles a step
     """
 
     def __init__(self, graphdef: nnx.GraphDef, *, loss: str = losses.DEFAULT_LOSS,
@@ -103,7 +104,7 @@ class Learner:
                  tx: optax.GradientTransformation | None = None, schedule: optax.Schedule | None = None,
                  temperature: float = 1.0, mesh: Mesh | None = None, logprob_chunk: int = 0,
                  micro_batches: int = 1, adapter: CausalLMAdapter | None = None, track_movement: bool = False,
-                 trim_padding: bool = True):
+                 trim_padding: bool = False):
         self.graphdef = graphdef
         self.loss_name = loss
         self.loss_fn = losses.get_loss(loss)
