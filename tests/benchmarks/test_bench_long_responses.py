@@ -35,4 +35,6 @@ def test_engine_and_learner_parts_at_toy_lengths(bench, tmp_path):
     assert len(r["full"]) == len(r["trimmed"]) == 1
     text = bench.report({"engine": eng, "learner": learn})
     assert "| 40 | " in text and "jax / jax-full" in text and "| 40 | uniform | 45 |" in text
-    json.dumps({**eng})  # the engine part is JSON as it stands
+    saved = tmp_path / "r.json"
+    saved.write_text(json.dumps({"engine": eng, "learner": {f"{N} {s}": v for (N, s), v in learn.items()}}))
+    assert bench.report(bench.load_result(str(saved))) == text  # --report re-renders a saved result
