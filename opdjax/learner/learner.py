@@ -93,13 +93,18 @@ class Learner:
                    m): one optimizer step, the same result as one batch of B rows (see `_grads_accumulated`)
     adapter        how to read the model (`learner.adapters`; default: opdjax's `Decoder`)
     track_movement log `policy/step_k3`, the student's movement per step (`step_movement_k3`; one more forward)
+    trim_padding   step on the batch cut after its last real position, rounded up to a `length_bucket`
+                   (`trim_padding`; one process only): trailing all-padding columns cost compute and change
+                   nothing but float rounding. Off by default: it pays only when every row stops well short of
+                   the batch width (docs/results/long-responses.md); each new bucket compiles a step
     """
 
     def __init__(self, graphdef: nnx.GraphDef, *, loss: str = losses.DEFAULT_LOSS,
                  loss_options: Mapping[str, Any] | None = None, correction: corrections.Correction | None = None,
                  tx: optax.GradientTransformation | None = None, schedule: optax.Schedule | None = None,
                  temperature: float = 1.0, mesh: Mesh | None = None, logprob_chunk: int = 0,
-                 micro_batches: int = 1, adapter: CausalLMAdapter | None = None, track_movement: bool = False):
+                 micro_batches: int = 1, adapter: CausalLMAdapter | None = None, track_movement: bool = False,
+                 trim_padding: bool = False):
         self.graphdef = graphdef
         self.loss_name = loss
         self.loss_fn = losses.get_loss(loss)
@@ -110,6 +115,7 @@ class Learner:
         self.micro_batches = _check_micro_batches(micro_batches, self.needs, correction)
         self.adapter = adapter if adapter is not None else DecoderAdapter()
         self.track_movement = bool(track_movement)
+        self.trim_padding = bool(trim_padding)
         self.logprob_chunk = int(logprob_chunk) or None  # 0: `logprob_chunk_len` picks
         self.mesh = mesh if mesh is not None else Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1),
                                                         ("data", "fsdp", "tensor"))
@@ -204,6 +210,8 @@ class Learner:
         _check_divides(np.shape(batch.tokens_BT)[0], self.micro_batches)
         t = self.temperature if temperature is None else _check_temperature(temperature)
         with_rollout = batch.rollout_logp_BT is not None
+        if self.trim_padding and jax.process_count() == 1:  # several processes: each sees only its own rows
+            batch = trim_padding(batch)
         if with_rollout not in self._steps:
             self._steps[with_rollout] = self._build_step(with_rollout)
         state, metrics = self._steps[with_rollout](state, to_global(batch, self.mesh), jnp.float32(t))
@@ -220,6 +228,33 @@ class Learner:
         g = to_global(Batch(mask_BT=None, tokens_BT=tokens_BT, valid_BT=valid_BT), self.mesh)
         t = self.temperature if temperature is None else temperature
         return np.asarray(jax.device_get(self._logp(params, g.tokens_BT, g.valid_BT, t)))
+
+
+# -- padding ------------------------------------------------------------------------------------------------------------
+
+def length_bucket(n: int, per_octave: int = 4, minimum: int = 16) -> int:
+    """n rounded up to a bucket: a multiple of 2^(floor(log2 n) - log2 per_octave), i.e. `per_octave` buckets per
+    doubling (per_octave a power of two; with 4: ..., 512, 640, 768, 896, 1024, 1280, ...), at least `minimum`;
+    at most 1 / per_octave of the bucket is padding and a run compiles at most per_octave shapes per doubling."""
+    n = max(int(n), int(minimum), 1)
+    step = max(1, (1 << (n.bit_length() - 1)) // per_octave)
+    return -(-n // step) * step
+
+
+def trim_padding(batch: Batch, per_octave: int = 4) -> Batch:
+    """The batch with every [B, T, ...] field (name with `_BT`) cut to T' = min(T, length_bucket(t_last + 1))
+    columns, t_last the last position any row has valid or in its mask: the columns cut are padding in every row,
+    which a causal model never attends to from a real position and every loss masks out. A batch with no valid
+    position is returned unchanged."""
+    used_T = np.any(np.asarray(batch.valid_BT, bool), axis=0) | np.any(np.asarray(batch.mask_BT) != 0, axis=0)
+    T = used_T.shape[0]
+    if not used_T.any():
+        return batch
+    keep = min(T, length_bucket(int(np.flatnonzero(used_T)[-1]) + 1, per_octave))
+    if keep == T:
+        return batch
+    cut = {f: v[:, :keep] for f, v in batch.present().items() if "_BT" in f}
+    return dataclasses.replace(batch, **cut)
 
 
 # -- checks and gradient accumulation ----------------------------------------------------------------------------------

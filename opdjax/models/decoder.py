@@ -107,6 +107,19 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
                    valid_BS=jnp.zeros((batch, max_len), bool), index=jnp.zeros((), jnp.int32))
 
 
+def grow_cache(cache: KVCache, max_len: int) -> KVCache:
+    """The cache with `max_len` >= cache.max_len slots: k/v [B, K, S, D] -> [B, K, max_len, D] and valid_BS
+    [B, S] -> [B, max_len], the new slots zero and invalid (what `init_cache` puts there), index unchanged."""
+    pad = int(max_len) - cache.max_len
+    if pad < 0:
+        raise ValueError(f"grow_cache: cannot shrink a cache of {cache.max_len} slots to {max_len}")
+    if pad == 0:
+        return cache
+    widen = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0)))  # noqa: E731
+    return KVCache(k=tuple(map(widen, cache.k)), v=tuple(map(widen, cache.v)),
+                   valid_BS=jnp.pad(cache.valid_BS, ((0, 0), (0, pad))), index=cache.index)
+
+
 def _param(rngs: nnx.Rngs, shape, axes, dtype, std=0.02, init=None) -> nnx.Param:
     value = init(shape, dtype) if init is not None else std * jax.random.normal(rngs.params(), shape, dtype)
     return nnx.Param(value, logical_axes=axes)

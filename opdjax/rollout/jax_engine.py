@@ -19,8 +19,9 @@ hooks (`quant.ForwardQuant`). `stale_versions=k` keeps the last k+1 published we
 so rollouts are sampled with weights k versions behind the learner.
 
 Generation: prompts are left-padded to P = ceil8(max prompt length) and the batch to a bucket; one prefill writes
-a KV cache of P + max_new_tokens slots, then a `lax.while_loop` feeds one token per step through the cache and
-stops as soon as every row has sampled a stop token (its attention: `decode_attention`; q/k/v and gate/up as one
+a KV cache of P + cache_block slots, then `lax.while_loop`s feed one token per step through the cache, which doubles
+whenever decoding reaches its end (a step attends over at most twice the filled slots, not P + max_new_tokens), and
+stop as soon as every row has sampled a stop token (its attention: `decode_attention`; q/k/v and gate/up as one
 matmul each where `merge_projections`). Sampling follows vLLM: logits / T, top-k, top-p (nucleus),
 renormalise, sample; the returned log-prob is that of the sampled token under this processed distribution
 (`processed_logprobs`). T = 0 is greedy: the argmax of the raw logits, reported with its log-softmax at T = 1.
@@ -66,6 +67,20 @@ __all__ = ["JaxEngine", "processed_logprobs", "bucket_batch", "bucket_len", "def
 def bucket_len(n: int, multiple: int = 8) -> int:
     """n rounded up to a multiple of `multiple` (at least `multiple`)."""
     return max(multiple, -(-int(n) // multiple) * multiple)
+
+
+def decode_segments(P: int, N: int, block: int, multiple: int = 1) -> tuple[tuple[int, int], ...]:
+    """The decode loop's segments, ((end_step, cache_slots), ...): segment k runs decode steps up to end_k =
+    min(block * 2^k, N) (exclusive) on a cache of S_k = ceil_multiple(P + end_k) slots, so a step attends over
+    at most twice the slots it needs; block = 0 gives one segment, (N, ceil_multiple(P + N)): the whole cache from
+    the start. Step i writes slot P + i - 1, so S_k >= P + end_k covers every write of segment k."""
+    if block < 0:
+        raise ValueError(f"cache_block must be >= 0 (0 = one cache of prompt + max_new_tokens slots), got {block}")
+    ends, e = [], block
+    while block and e < N:
+        ends.append(e)
+        e *= 2
+    return tuple((end, bucket_len(P + end, multiple) if multiple > 1 else P + end) for end in [*ends, N])
 
 
 def bucket_batch(n: int, multiple: int = 1) -> int:
@@ -193,13 +208,15 @@ def _is_stop(tok_B: Array, stop_ids: tuple[int, ...]) -> Array:
 # ----------------------------------------------------------------------------------------------------------------------
 
 _GENERATE_STATIC = ("cfg", "graphdef", "hooks", "sampling", "stop_ids", "pad_id", "cache_dtype", "merge",
-                    "decode_attention")
+                    "decode_attention", "cache_block")
 
 
 @functools.partial(jax.jit, static_argnames=_GENERATE_STATIC)
 def _generate_jit(params, tokens_BP, valid_BP, seed, temperature, *, cfg, graphdef, hooks, sampling, stop_ids,
-                  pad_id, cache_dtype, merge, decode_attention):
-    """Prefill [B, P] into a cache of P + N slots, then decode one token per step until N tokens or all stopped.
+                  pad_id, cache_dtype, merge, decode_attention, cache_block):
+    """Prefill [B, P] into a cache, then decode one token per step until N tokens or all stopped.
+    The cache grows by segments (`decode_segments`: P + cache_block slots, then doubling; cache_block = 0: P + N
+    slots from the start), each a while loop whose steps attend over that segment's slots only.
     merge: run q/k/v and gate/up as one matmul each (`decoder.merge_projections`, built once, before the loop);
     decode_attention: the decode step's attention (`decoder.DECODE_ATTENTION_IMPLS`; "pallas" rounds the cache up
     to a multiple of `decoder.PALLAS_DECODE_SPLIT` slots).
@@ -209,8 +226,9 @@ def _generate_jit(params, tokens_BP, valid_BP, seed, temperature, *, cfg, graphd
     """
     B, P = tokens_BP.shape
     N = sampling.max_new_tokens
-    S = P + N if decode_attention == "einsum" else bucket_len(P + N, decoder.PALLAS_DECODE_SPLIT)
-    cache = decoder.init_cache(cfg, B, S, cache_dtype)
+    multiple = 1 if decode_attention == "einsum" else decoder.PALLAS_DECODE_SPLIT
+    segments = decode_segments(P, N, cache_block, multiple)
+    cache = decoder.init_cache(cfg, B, segments[0][1], cache_dtype)
     model = nnx.merge(graphdef, params)
     merged = decoder.merge_projections(model, hooks) if merge else None
     # Prefill: logits only at the last prompt slot (the only one sampled from), never [B, P, V].
@@ -229,9 +247,9 @@ def _generate_jit(params, tokens_BP, valid_BP, seed, temperature, *, cfg, graphd
     out_mask = jnp.zeros((B, N), bool).at[:, 0].set(True)
     done = _is_stop(tok0, stop_ids)
 
-    def cond(c):
+    def cond(c, end):
         i, _, done, *_ = c
-        return (i < N) & ~jnp.all(done)
+        return (i < end) & ~jnp.all(done)
 
     def body(c):
         i, prev, done, cache, out_tok, out_lp, out_mask = c
@@ -246,8 +264,11 @@ def _generate_jit(params, tokens_BP, valid_BP, seed, temperature, *, cfg, graphd
         out_mask = jax.lax.dynamic_update_slice(out_mask, alive[:, None], (0, i))
         return i + 1, tok, done | (alive & _is_stop(tok, stop_ids)), cache, out_tok, out_lp, out_mask
 
-    init = (jnp.ones((), jnp.int32), tok0, done, cache, out_tok, out_lp, out_mask)
-    steps, _, _, _, out_tok, out_lp, out_mask = jax.lax.while_loop(cond, body, init)
+    c = (jnp.ones((), jnp.int32), tok0, done, cache, out_tok, out_lp, out_mask)
+    for end, slots in segments:  # a segment after all rows stopped exits at once
+        c = (*c[:3], decoder.grow_cache(c[3], slots), *c[4:])
+        c = jax.lax.while_loop(functools.partial(cond, end=end), body, c)
+    steps, _, _, _, out_tok, out_lp, out_mask = c
     return out_tok, out_lp, out_mask, steps
 
 
@@ -305,6 +326,9 @@ class JaxEngine:
                       CPU and tensor-parallel meshes (`default_merge_projections`)
     decode_attention  "einsum" (every cache slot, masked) or "pallas" (JAX's Pallas flash-decoding kernel over the
                       filled slots only; GPU, or interpreted on CPU for tests; not TPU: the kernel is Triton)
+    cache_block       the KV cache starts at prompt + cache_block slots and doubles as decoding passes its end, so a
+                      step attends over at most twice the filled slots (`decode_segments`); the same tokens and
+                      log-probs as one full-length cache (tested), which cache_block=0 keeps
 
     Thread-safe: `update_weights` builds the new served weights without blocking generation and swaps them in
     under a lock (updates themselves are serialised); generate/score take one consistent (weights, version)
@@ -317,7 +341,7 @@ class JaxEngine:
                  mismatch: EngineMismatch | Mapping[str, Any] | None = None, seed: int = 0, pad_id: int = 0,
                  eos_id: int | None = None,
                  dtype: Any = jnp.float32, cache_dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
-                 merge_projections: bool | None = None, decode_attention: str = "einsum"):
+                 merge_projections: bool | None = None, decode_attention: str = "einsum", cache_block: int = 256):
         for what, tok in (("pad_id", pad_id), ("eos_id", eos_id)):
             if tok is not None and not 0 <= tok < cfg.usable_size:
                 raise ValueError(f"{what}={tok} is outside the vocabulary [0, {cfg.usable_size})")
@@ -341,6 +365,8 @@ class JaxEngine:
             raise ValueError(f"decode_attention='pallas' is JAX's Triton (GPU) decode kernel; it cannot run on "
                              f"{backend!r}: use 'einsum'")
         self.decode_attention = decode_attention
+        decode_segments(0, 1, cache_block)  # validates
+        self.cache_block = int(cache_block)
         self.merge_projections = (default_merge_projections(backend, mesh) if merge_projections is None
                                   else bool(merge_projections))
         abstract_graphdef, self._template = nnx.split(decoder.abstract(cfg, dtype=self.dtype, param_dtype=self.dtype))
@@ -516,7 +542,7 @@ class JaxEngine:
         static = dataclasses.replace(sampling, temperature=0.0 if sampling.temperature == 0 else 1.0)
         return dict(cfg=self.cfg, graphdef=self.graphdef, hooks=self.hooks, sampling=static, stop_ids=stop_ids,
                     pad_id=self.pad_id, cache_dtype=self.cache_dtype, merge=self.merge_projections,
-                    decode_attention=self.decode_attention)
+                    decode_attention=self.decode_attention, cache_block=self.cache_block)
 
     def lower_generate(self, n_prompts: int, prompt_len: int, sampling: SamplingParams) -> jax.stages.Lowered:
         """The program `generate` runs (prefill and decode loop) for n_prompts prompts of at most prompt_len tokens,

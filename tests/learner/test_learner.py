@@ -107,3 +107,58 @@ def test_causal_flag_added_for_cudnn_does_not_change_the_masked_attention():
     a = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
     b = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], is_causal=True, implementation="xla")
     np.testing.assert_allclose(np.asarray(a)[np.asarray(valid)], np.asarray(b)[np.asarray(valid)], atol=1e-6)
+
+
+def test_length_bucket_rounds_up_with_four_buckets_per_doubling():
+    from opdjax.learner.learner import length_bucket
+    assert [length_bucket(n) for n in (1, 16, 17, 100, 512, 513, 1000, 1025)] == \
+        [16, 16, 20, 112, 512, 640, 1024, 1280]
+    assert length_bucket(5, minimum=1) == 5 and length_bucket(9, per_octave=1, minimum=1) == 16
+
+
+def _long_padded_batch(T=40, seed=0):
+    """Rows of 5..13 real positions (left-padded prompt, then a completion) in a [4, T] batch: the columns after
+    position 12 are padding in every row; teacher top-k [4, T, 3] as a `_BTK` field."""
+    rng = np.random.default_rng(seed)
+    ends = np.array([13, 9, 5, 11])
+    valid = (np.arange(T)[None, :] < ends[:, None]) & (np.arange(T)[None, :] >= np.array([0, 2, 1, 0])[:, None])
+    mask = valid & (np.arange(T)[None, :] >= 4)
+    topk = np.log(rng.dirichlet(np.ones(3), (4, T))).astype(np.float32)
+    return {"tokens_BT": np.where(valid, rng.integers(1, CFG.vocab_size, (4, T)), 0).astype(np.int32),
+            "valid_BT": valid, "mask_BT": mask, "rollout_logp_BT": np.where(mask, -2.0, 0.0).astype(np.float32),
+            "teacher_topk_ids_BTK": rng.integers(0, CFG.vocab_size, (4, T, 3)).astype(np.int32),
+            "teacher_topk_logp_BTK": topk}
+
+
+def test_trim_padding_cuts_only_columns_that_are_padding_in_every_row():
+    from opdjax.core.types import Batch
+    from opdjax.learner.learner import trim_padding
+    b = Batch(**_long_padded_batch())
+    cut = trim_padding(b)
+    assert cut.tokens_BT.shape == (4, 16) and cut.teacher_topk_logp_BTK.shape == (4, 16, 3)  # 13 -> bucket 16
+    for f, v in cut.present().items():
+        np.testing.assert_array_equal(v, getattr(b, f)[:, :16])
+    assert not np.asarray(b.valid_BT)[:, 16:].any()
+    short = Batch(**_long_padded_batch(T=14))
+    assert trim_padding(short) is short  # nothing to cut: the bucket (16) is wider than the batch
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_trimmed_train_step_matches_the_full_width_step(micro_batches):
+    """trim_padding on (a [4, 16] step) and off (the [4, 40] batch as given): the same metrics and updated
+    parameters up to float32 rounding, for the default loss (full log-softmax) with and without accumulation.
+    Plain SGD, so a parameter moves by lr x its gradient (Adam would turn rounding in a near-zero gradient into a
+    full step)."""
+    import optax
+    graphdef, params = nnx.split(decoder.create(CFG, seed=1))
+    out = {}
+    for trim in (False, True):
+        learner = Learner(graphdef, tx=optax.sgd(0.5), micro_batches=micro_batches, trim_padding=trim)
+        state, m = learner.train_step(learner.init(params), _long_padded_batch())
+        out[trim] = (m, jax.tree.leaves(state.params))
+    (m0, p0), (m1, p1) = out[False], out[True]
+    assert m0.keys() == m1.keys() and m0["loss"] != 0
+    for k in m0:
+        assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-6, nan_ok=True), k  # lr: nan without a schedule
+    for a, b in zip(p0, p1):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)

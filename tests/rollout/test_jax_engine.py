@@ -453,6 +453,37 @@ def test_pallas_decode_attention_serves_the_same_distribution(model, engine, mon
         JaxEngine(cfg, s, graphdef=g, decode_attention="flash")
 
 
+def test_decode_segments_double_from_the_block_and_end_at_the_full_cache():
+    assert jax_engine.decode_segments(8, 2048, 256) == ((256, 264), (512, 520), (1024, 1032), (2048, 2056))
+    assert jax_engine.decode_segments(8, 300, 0) == ((300, 308),)  # 0: one cache of P + N slots
+    assert jax_engine.decode_segments(8, 100, 256) == ((100, 108),)  # short responses: the old single loop
+    assert jax_engine.decode_segments(8, 100, 16, multiple=64) == ((16, 64), (32, 64), (64, 128), (100, 128))
+    with pytest.raises(ValueError, match="cache_block must be >= 0"):
+        jax_engine.decode_segments(8, 100, -1)
+
+
+@pytest.mark.parametrize("attention,sampling", [("einsum", "topk_topp"), ("einsum", "greedy"), ("pallas", "t1")])
+def test_grown_cache_samples_the_same_tokens_as_one_full_cache(model, attention, sampling):
+    """cache_block=16 (a cache of P + 16 slots, doubling: five while loops for 150 tokens) against cache_block=0
+    (one cache of P + 150 slots from the start): the same tokens, masks and decode steps, with rows stopping at
+    eos 5 in different segments; log-probs equal up to float32 rounding (the attention sums run over fewer masked
+    slots: a change of the size a different max_new_tokens makes to the full-cache engine)."""
+    cfg, g, s, *_ = model
+    sp = dataclasses.replace(SAMPLINGS.get(sampling, SamplingParams(temperature=0.0)),
+                             max_new_tokens=150 if attention == "einsum" else 80)
+    out, steps = {}, {}
+    for block in (0, 16):
+        eng = JaxEngine(cfg, s, graphdef=g, eos_id=5, cache_block=block, decode_attention=attention)
+        out[block] = eng.generate(PROMPTS, sp, seed=7)
+        steps[block] = eng.last_stats["decode_steps"]
+    assert steps[0] == steps[16] > 32  # the loop ran into a grown segment
+    np.testing.assert_array_equal(out[0].tokens_BT, out[16].tokens_BT)
+    np.testing.assert_array_equal(out[0].completion_mask_BT, out[16].completion_mask_BT)
+    np.testing.assert_allclose(out[0].rollout_logp_BT, out[16].rollout_logp_BT, atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match="cache_block"):
+        JaxEngine(cfg, s, graphdef=g, cache_block=-1)
+
+
 def test_mesh_sharded_engine_matches_single_device(model, engine, cpu_devices):
     from opdjax.models.sharding import make_mesh
     cfg, g, s, *_ = model
