@@ -59,8 +59,12 @@ class MetricsLogger:
             return
         clean = {k: (float(v) if isinstance(v, (float, int, np.floating, np.integer)) else v)
                  for k, v in metrics.items()}
-        self.f.write(json.dumps({"step": step, **clean}) + "\n")
-        self.f.flush()
+        try:
+            self.f.write(json.dumps({"step": step, **clean}) + "\n")
+            self.f.flush()
+        except OSError as e:  # a full disk: the one-line report names the file (steps before it are intact)
+            e.filename = e.filename or self.f.name
+            raise
         if self.tb is not None:
             for k, v in clean.items():
                 if isinstance(v, float) and np.isfinite(v):

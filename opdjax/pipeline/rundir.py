@@ -53,8 +53,10 @@ def write_text(path: str | pathlib.Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         pathlib.Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and not e.filename:  # a full disk: the one-line report names the file
+            e.filename = str(path)
         raise
 
 

@@ -60,3 +60,27 @@ def test_a_full_disk_during_a_checkpoint_ends_train_in_one_line_and_keeps_the_la
     assert f"{out}/checkpoints/2/state/_METADATA: No space left on device (ENOSPC)" in err[-1]
     assert "Traceback" not in "\n".join(err)
     assert latest_step(out / "checkpoints") == 1 and manifest.damage(out / "checkpoints" / "1") is None
+
+
+def test_a_full_disk_while_writing_metrics_or_a_run_file_names_that_file(tmp_path, monkeypatch, capsys):
+    """The OS reports ENOSPC on a write or an fsync without a file name; the one-line report still names the file
+    (metrics.jsonl through the logger, summary.json / config.json through the atomic writer)."""
+    from opdjax.pipeline import rundir
+    from opdjax.pipeline.logger import MetricsLogger
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with MetricsLogger(tmp_path, tensorboard=False, resume=False) as m:
+        m.log(1, {"loss": 1.0})
+        monkeypatch.setattr(m, "f", type("Full", (), {"name": str(tmp_path / "metrics.jsonl"), "write": full,
+                                                      "flush": full, "close": lambda self: None})())
+        with pytest.raises(OSError) as e:
+            m.log(2, {"loss": 0.5})
+    code, err = _run(e.value, capsys)
+    assert code == EXIT_MACHINE and err == [f"opdjax train: error: OSError: {tmp_path / 'metrics.jsonl'}: No space "
+                                            f"left on device (ENOSPC)"]
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as e:
+        rundir.write_json(tmp_path / "summary.json", {"steps": 2})
+    assert e.value.filename == str(tmp_path / "summary.json") and not list(tmp_path.glob(".summary.json.*"))
