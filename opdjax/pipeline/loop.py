@@ -35,7 +35,8 @@ from opdjax.pipeline.evaluate import Evaluator
 from opdjax.pipeline.inputs import check_inputs
 from opdjax.pipeline.logger import MetricsLogger
 from opdjax.pipeline.opd import publish, train_on
-from opdjax.pipeline.phases import Phases
+from opdjax.pipeline.phases import Phases, RunClock
+from opdjax.pipeline.quality import quality_figures
 from opdjax.pipeline.rollouts import AheadSource, Rollout, RolloutSource
 from opdjax.rollout.base import pad_left
 
@@ -134,6 +135,8 @@ class _Progress:
     saved: int | None = None    # the newest checkpoint's step (tracked here: processes must agree on it)
     initial_eval: dict | None = None
     last_eval: dict | None = None
+    clock: dict = dataclasses.field(default_factory=lambda: {"train": 0.0, "eval": 0.0})  # `RunClock.state` at start
+    evals: list = dataclasses.field(default_factory=list)  # `quality.EVAL_ROW` rows, the initial evaluation first
 
 
 def _train(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
@@ -173,13 +176,22 @@ def _resume(run: Run, state, stream: PromptStream, log) -> tuple[Any, _Progress]
         return state, prog
     state, extra = restore_newest_good(ckpt_dir, state, log)
     prog = _Progress(step=int(extra["step"]), dropped=int(extra["dropped"]), position=int(extra["stream_position"]),
-                     saved=int(extra["step"]), initial_eval=extra.get("initial_eval"))
+                     saved=int(extra["step"]), initial_eval=extra.get("initial_eval"),
+                     clock=dict(extra.get("clock") or {"train": 0.0, "eval": 0.0}),
+                     evals=list(extra.get("eval_curve") or _initial_row(extra.get("initial_eval"))))
     stream.position = prog.position
     publish(run.parts, state.params, prog.step)  # a new session: servers take it even if they held later versions
     if jax.process_index() == 0:
         rundir.truncate_metrics(run.out_dir / "metrics.jsonl", prog.step, log)
     log(f"resumed from {ckpt_dir} at step {prog.step} (stream position {stream.position})")
     return state, prog
+
+
+def _initial_row(initial_eval: dict | None) -> list[list[float]]:
+    """The curve of a checkpoint that kept no curve: its initial evaluation at step 0, training second 0."""
+    if initial_eval is None:
+        return []
+    return [[0, initial_eval["eval/reverse_kl"], initial_eval["eval/accuracy"], 0.0]]
 
 
 def _check_finite(m: dict[str, Any], step: int, saved: int | None) -> None:
@@ -227,6 +239,7 @@ class _Loop:
     logger: MetricsLogger | None = None
     source: RolloutSource | None = None
     bar: tqdm | None = None
+    clock: RunClock | None = None
 
     def train(self) -> dict[str, Any]:
         """Initial evaluation, the steps, the final checkpoint and export; returns the summary."""
@@ -234,15 +247,17 @@ class _Loop:
         resumed = pipeline.resume and self.prog.step > 0
         with MetricsLogger(self.run.out_dir, pipeline.tensorboard, resume=resumed, wandb=pipeline.wandb,
                            config=to_dict(self.run.cfg), say=self.log) as self.logger:
+            self.clock = RunClock(**self.prog.clock)
             self.evaluate_start()
             t_start = time.time()
             with _open_source(self.run, self.stream, self.prog.step) as self.source, \
                     _progress_bar(self.run, self.prog.step) as self.bar:
                 while self.prog.step < pipeline.steps:
                     self.step()
+            clocks = self.clock.state()  # the training that reached the final weights (not its saving)
             if self.prog.saved != self.prog.step:
                 self.checkpoint()
-            summary = self.summary(self.export(), time.time() - t_start)
+            summary = self.summary(self.export(), time.time() - t_start, clocks)
             self.logger.finish(summary)
         return summary
 
@@ -251,15 +266,25 @@ class _Loop:
         while writing its results) evaluates the final weights again."""
         prog = self.prog
         if prog.initial_eval is None:
-            prog.initial_eval = self.evaluate(self.state.params, prog.step)
-            self.logger.log(prog.step, prog.initial_eval)
+            prog.initial_eval = self.evaluate_now()
+            self.logger.log(prog.step, {**prog.initial_eval, **self.clock.seconds()})
             what = f"step {prog.step}"
         else:
             what = "initial (step 0)"
         self.log(f"{what}: held-out reverse KL {prog.initial_eval['eval/reverse_kl']:.3f}, "
                  f"accuracy {prog.initial_eval['eval/accuracy']:.3f}")
         steps = self.run.cfg.pipeline.steps
-        prog.last_eval = self.evaluate(self.state.params, prog.step) if prog.step >= steps > 0 else prog.initial_eval
+        prog.last_eval = self.evaluate_now() if prog.step >= steps > 0 else prog.initial_eval
+
+    def evaluate_now(self) -> dict[str, float]:
+        """The held-out evaluation of the current weights, on the clock's evaluation time; its `EVAL_ROW` row
+        [step, reverse KL, accuracy, elapsed training seconds] recorded (replacing rows of this step or later)."""
+        prog = self.prog
+        with self.clock.evaluating():
+            ev = self.evaluate(self.state.params, prog.step)
+        row = [prog.step, ev["eval/reverse_kl"], ev["eval/accuracy"], self.clock.state()["train"]]
+        prog.evals = [r for r in prog.evals if r[0] < prog.step] + [row]
+        return ev
 
     def step(self) -> None:
         """One step: the next rollout (one too stale is counted and skipped) -> `train_on` -> `publish`; then the
@@ -273,8 +298,9 @@ class _Loop:
             return
         m = self._train_on(item, phases)
         if pipeline.eval_every and prog.step % pipeline.eval_every == 0 or prog.step == pipeline.steps:
-            prog.last_eval = self.evaluate(self.state.params, prog.step)
+            prog.last_eval = self.evaluate_now()
             m.update(prog.last_eval)
+        m.update(self.clock.seconds())
         self.logger.log(prog.step, m)
         self.zero_grad.update(prog.step, float(m.get("grad_norm", 1.0)))
         self._show(m)
@@ -307,12 +333,13 @@ class _Loop:
                              acc=f"{self.prog.last_eval['eval/accuracy']:.2f}")
 
     def checkpoint(self) -> None:
-        """The state and what resuming needs: step, stream position, dropped rollouts, the initial evaluation."""
+        """The state and what resuming needs: step, stream position, dropped rollouts, the initial evaluation, the
+        clocks and the evaluation curve so far."""
         prog = self.prog
         prog.saved = prog.step
         save_checkpoint(self.run.out_dir / "checkpoints", self.state, {
             "step": prog.step, "stream_position": prog.position, "dropped": prog.dropped,
-            "initial_eval": prog.initial_eval})
+            "initial_eval": prog.initial_eval, "clock": self.clock.state(), "eval_curve": prog.evals})
 
     def export(self) -> pathlib.Path:
         """The final student as a Hugging Face directory (written next to it, then renamed: a kill leaves the old
@@ -329,8 +356,10 @@ class _Loop:
             tmp.rename(final_dir)
         return final_dir
 
-    def summary(self, final_dir: pathlib.Path, seconds: float) -> dict[str, Any]:
-        """summary.json: steps, initial and final evaluation, their reverse-KL ratio, server outages."""
+    def summary(self, final_dir: pathlib.Path, seconds: float, clocks: dict[str, float]) -> dict[str, Any]:
+        """summary.json: steps, initial and final evaluation, their reverse-KL ratio, the clocks at the end of the
+        last step (`time`: `RunClock.state`), the evaluation curve and its time- and steps-to-quality against the
+        run's own final quality (`to_quality`), server outages."""
         run, prog = self.run, self.prog
         i, f = prog.initial_eval, prog.last_eval
         summary = {
@@ -338,6 +367,8 @@ class _Loop:
             "initial": i, "final": f, "student_final": str(final_dir),
             "reverse_kl_ratio": f["eval/reverse_kl"] / max(i["eval/reverse_kl"], 1e-9),
             "zero_grad_steps": self.zero_grad.total,
+            "time": {f"elapsed_{k}": v for k, v in clocks.items()},
+            "eval_curve": prog.evals, "to_quality": quality_figures(prog.evals),
         }
         outages = [*run.parts.engine.outages, *getattr(run.parts.teacher, "outages", ())]
         if outages:  # remote servers that went down (and came back) during the run
@@ -355,6 +386,18 @@ def _ratio_text(r: float) -> str:
     return f"x{r:.2f}" if r >= 0.01 else f"x{r:.1e}"
 
 
+def _clock_text(s: dict[str, Any]) -> list[str]:
+    """The clocks line: training and evaluation seconds, and when the run came 90% of the way to its final reverse
+    KL (none for a summary without clocks)."""
+    t, q = s.get("time"), (s.get("to_quality") or {}).get("eval/reverse_kl")
+    if not t:
+        return []
+    at = (q or {}).get("thresholds", {}).get("0.9", {})
+    when = (f", 90% of the way to the final reverse KL at step {at['step']} ({at['seconds']:.0f}s of training)"
+            if at.get("step") is not None else "")
+    return [f"  clocks: training {t['elapsed_train']:.0f}s, evaluation {t['elapsed_eval']:.0f}s{when}"]
+
+
 def format_summary(s: dict[str, Any]) -> str:
     i, f = s["initial"], s["final"]
     return "\n".join([
@@ -362,5 +405,6 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  held-out reverse KL(student||teacher): {i['eval/reverse_kl']:.3f} -> {f['eval/reverse_kl']:.3f} "
         f"({_ratio_text(s['reverse_kl_ratio'])})",
         f"  held-out accuracy:                     {i['eval/accuracy']:.3f} -> {f['eval/accuracy']:.3f}",
+        *_clock_text(s),
         f"  final student: {s['student_final']}",
     ])

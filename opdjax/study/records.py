@@ -1,8 +1,8 @@
 """Typed records of the study.
 
     Point         one study configuration (a sweep point or a phenomena run)
-    RunResult     one (point, seed) of a study: probe, training summary, per-step mismatch — the resume record
-                  `results/<point>/seed<k>.json`
+    RunResult     one (point, seed) of a study: probe, training summary, per-step mismatch, time-to-quality
+                  against the study's baseline — the resume record `results/<point>/seed<k>.json`
 
 Both derive from `opdjax.admission.records.Record` (to_dict / from_dict) and are written by its `write_json`.
 """
@@ -83,7 +83,8 @@ class RunResult(Record):
     finished: str
     reward_last: float | None = None
     policy_step_k3_median: float | None = None   # the student's median movement per step (k3, consecutive versions)
-    eval_curve: list | None = None               # [[step, held-out reverse KL, accuracy], ...]
+    eval_curve: list | None = None               # [[step, held-out reverse KL, accuracy, training seconds], ...]
+    to_quality: dict | None = None               # time-/steps-to-quality and AUC against the study's baseline
     reused: bool = False
 
     def to_dict(self) -> dict[str, Any]:

@@ -27,7 +27,8 @@ sequence-level KL; and per-token corrections (token_tis, token_mis) at a noise l
 not remove the quality loss that the shifted prefixes cause.
 
 Outputs under `out_dir`: budget.json, points.csv, budget.png, summary.md; one JSON per finished (point, seed)
-under results/ (the resume record: a finished run whose resolved TrainConfig is unchanged is not rerun).
+under results/ (the resume record: a finished run whose resolved TrainConfig is unchanged is not rerun), which also
+carries the run's time- and steps-to-quality against the baseline's final quality (`against_baseline`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from opdjax.admission.budget import setup_fingerprint
 from opdjax.admission.records import write_json
 from opdjax.config import to_dict
 from opdjax.pipeline import loop
+from opdjax.pipeline.quality import quality_figures
 from opdjax.pipeline.rundir import write_text
 from opdjax.rollout.vllm_settings import engine_dtype
 from opdjax.study.fit import (
@@ -69,8 +71,8 @@ from opdjax.study.records import Point, RunResult, noise_point
 from opdjax.study.report import plot, summary_markdown, write_csv
 from opdjax.study.study_config import KneeConfig, StudyConfig, round_level
 
-__all__ = ["knee_candidates", "knee_search", "phenomena_points", "run_identity", "run_one", "run_study",
-           "sweep_points", "train_mismatch"]
+__all__ = ["against_baseline", "knee_candidates", "knee_search", "phenomena_points", "run_identity", "run_one",
+           "run_study", "sweep_points", "train_mismatch"]
 
 
 Log = Callable[[str], None]
@@ -199,10 +201,25 @@ def train_mismatch(metrics_path: pathlib.Path) -> dict[str, Any]:
 
 
 def eval_curve(metrics_path: pathlib.Path) -> list[list[float]]:
-    """[[step, held-out reverse KL, accuracy], ...]: every evaluation of a run, the initial one included."""
+    """[[step, held-out reverse KL, accuracy, training seconds], ...] (`quality.EVAL_ROW`): every evaluation of a
+    run, the initial one included; the seconds are the run's `time/elapsed_train` (NaN when not logged)."""
     rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
-    return [[int(r["step"]), float(r["eval/reverse_kl"]), float(r.get("eval/accuracy", float("nan")))]
-            for r in rows if "eval/reverse_kl" in r]
+    return [[int(r["step"]), float(r["eval/reverse_kl"]), float(r.get("eval/accuracy", float("nan"))),
+             float(r.get("time/elapsed_train", float("nan")))] for r in rows if "eval/reverse_kl" in r]
+
+
+def against_baseline(rec: RunResult, baseline: Mapping[str, Any]) -> RunResult:
+    """`rec` with `to_quality`: `quality.quality_figures` of its evaluation curve against the baseline's final
+    quality (`baseline_stats`: "reverse_kl", the study's reference reverse KL, and "accuracy", the seeds' mean);
+    None when the curve has no training clock (a record written before the runs logged one)."""
+    rows = [list(r) + [math.nan] * (4 - len(r)) for r in rec.eval_curve or []]
+    refs = {"eval/reverse_kl": baseline["reverse_kl"], "eval/accuracy": baseline["accuracy"]}
+    return dataclasses.replace(rec, to_quality=quality_figures(rows, refs, reference_from="baseline final") or None)
+
+
+def _result_path(study: StudyConfig, point_id: str, seed: int) -> pathlib.Path:
+    """Where the record of (point, seed) is saved: `<out_dir>/results/<point>/seed<k>.json`."""
+    return pathlib.Path(study.out_dir) / "results" / point_id / f"seed{seed}.json"
 
 
 def run_identity(cfg_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -227,9 +244,8 @@ def run_one(study: StudyConfig, point: Point, seed: int, log: Log = print) -> Ru
     A record whose `train_config` trains the same run as the one this study would use now (`run_identity`) is
     reused without running anything.
     """
-    root = pathlib.Path(study.out_dir)
-    result_path = root / "results" / point.id / f"seed{seed}.json"
-    run_dir = root / "runs" / point.id / f"seed{seed}"
+    result_path = _result_path(study, point.id, seed)
+    run_dir = pathlib.Path(study.out_dir) / "runs" / point.id / f"seed{seed}"
     cfg = study.train_config_for(point.overrides, seed, out_dir=str(run_dir))
     cfg_dict = to_dict(cfg)
     want_probe = point.probe
@@ -296,6 +312,7 @@ def run_study(study: StudyConfig, log: Log = print) -> dict[str, Any]:
     fixed, extra = sweep_points(study), phenomena_points(study)
     runner = _start_study(study, root, fixed, extra, log)
     baseline = _baseline(runner(fixed[0]))
+    runner.set_baseline(baseline)
     searched = _search_knee(study, runner, baseline, log) if study.knee.enabled else []
     for p in fixed[1:] + extra:
         runner(p)
@@ -318,19 +335,35 @@ def run_study(study: StudyConfig, log: Log = print) -> dict[str, Any]:
 class _PointRunner:
     """Runs every seed of a point once (`run_one`; a later call for the same point returns its records) and logs
     progress as [done/planned]. `records`: point id -> its RunResults; `done` / `ran`: runs finished / actually run
-    (not reused) in this invocation."""
+    (not reused) in this invocation. Once `set_baseline` has given the baseline, every record carries its
+    time-/steps-to-quality against it (`against_baseline`, saved with the record)."""
 
     def __init__(self, study: StudyConfig, planned: int, log: Log):
         self.study, self.planned, self.log = study, planned, log
         self.records: dict[str, list[RunResult]] = {}
         self.done = self.ran = 0
+        self.baseline: Mapping[str, Any] | None = None
+
+    def set_baseline(self, baseline: Mapping[str, Any]) -> None:
+        """From now on records are measured against `baseline`; those already held are measured now."""
+        self.baseline = baseline
+        self.records = {pid: [self._measured(r) for r in recs] for pid, recs in self.records.items()}
+
+    def _measured(self, rec: RunResult) -> RunResult:
+        """`against_baseline` (its record file rewritten when the figures changed); `rec` before the baseline."""
+        if self.baseline is None:
+            return rec
+        new = against_baseline(rec, self.baseline)
+        if json.dumps(new.to_quality) != json.dumps(rec.to_quality):
+            write_json(_result_path(self.study, rec.point, rec.seed), new.to_dict())
+        return new
 
     def __call__(self, p: Point) -> list[RunResult]:
         if p.id in self.records:
             return self.records[p.id]
         knee = " + knee" if self.study.knee.enabled else ""
         for s in self.study.seeds_for(p):
-            rec = run_one(self.study, p, s, self.log)
+            rec = self._measured(run_one(self.study, p, s, self.log))
             self.records.setdefault(p.id, []).append(rec)
             self.done += 1
             at = f"[{self.done}/{self.planned}{knee}] {p.id} seed {s}"

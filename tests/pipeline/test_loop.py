@@ -104,6 +104,52 @@ def test_resume_continues_exactly_where_the_run_stopped(pair, tmp_path):
     assert la == lb
 
 
+def _slow_evaluations(monkeypatch, seconds):
+    """Every evaluation takes `seconds` longer (a sleep inside it): what the training clock must not count."""
+    import time
+
+    real = pipeline.make_evaluator
+
+    def make(run):
+        evaluate = real(run)
+
+        def slow(params, version):
+            time.sleep(seconds)
+            return evaluate(params, version)
+        return slow
+    monkeypatch.setattr(pipeline, "make_evaluator", make)
+
+
+@pytest.mark.slow  # a 2-step run and its resume to 4 steps, evaluations slowed down
+def test_the_training_clock_excludes_evaluation_and_continues_across_a_resume(pair, tmp_path, monkeypatch):
+    """time/elapsed_train grows every step, leaves out evaluation (time/elapsed_eval holds it) and carries on from
+    the checkpoint; summary.json carries the clocks, the evaluation curve and time-/steps-to-quality."""
+    import time
+
+    _slow_evaluations(monkeypatch, 0.5)
+    t0 = time.perf_counter()
+    first = pipeline.train(_cfg(pair, tmp_path, "pipeline.steps=2"), log=lambda s: None)
+    wall_first = time.perf_counter() - t0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == first
+    assert first["time"]["elapsed_eval"] >= 2 * 0.5  # the initial evaluation and step 2's
+    assert first["time"]["elapsed_train"] + first["time"]["elapsed_eval"] <= wall_first
+    assert [r[0] for r in first["eval_curve"]] == [0, 2] and first["eval_curve"][0][3] < 0.05
+    rkl = first["to_quality"]["eval/reverse_kl"]
+    assert rkl["reference_from"] == "own final" and set(rkl["thresholds"]) == {"0.5", "0.8", "0.9", "0.95"}
+    t1 = time.perf_counter()
+    summary = pipeline.train(_cfg(pair, tmp_path, "pipeline.resume=true"), log=lambda s: None)
+    wall_second = time.perf_counter() - t1
+    steps = [x for x in _lines(tmp_path) if "loss" in x]
+    clock = [x["time/elapsed_train"] for x in steps]
+    assert [x["step"] for x in steps] == [1, 2, 3, 4] and clock == sorted(clock)
+    assert clock[2] > first["time"]["elapsed_train"]  # continued from the checkpoint, not from 0
+    assert summary["time"]["elapsed_eval"] >= 4 * 0.5  # steps 0 and 2 (first session), 4 (second)
+    assert clock[-1] <= summary["time"]["elapsed_train"] < wall_first + wall_second - summary["time"]["elapsed_eval"]
+    assert [r[0] for r in summary["eval_curve"]] == [0, 2, 4] and summary["eval_curve"][:2] == first["eval_curve"]
+    assert summary["eval_curve"][2][3] == pytest.approx(steps[-1]["time/elapsed_train"], abs=0.05)
+    assert "clocks: training" in pipeline.format_summary(summary)
+
+
 @pytest.mark.slow  # a 3-step async run
 def test_async_drops_stale_rollouts_and_counts_them(pair, tmp_path):
     cfg = _cfg(pair, tmp_path, "pipeline.mode=async", "pipeline.max_staleness=0", "pipeline.queue_size=2",

@@ -13,6 +13,7 @@ from opdjax.config import ConfigError
 from opdjax.study import fit, phenomena, report
 from opdjax.study import study as study_mod
 from opdjax.study import study_config
+from opdjax.study.records import RunResult
 
 # ----------------------------------------------------------------------------------------------------- pure fit
 
@@ -118,6 +119,9 @@ def test_small_study_writes_all_outputs_and_resume_skips_finished_runs(pair, tmp
     headline = "Budget B" if saved["status"] == "RESOLVED" else "Budget UNRESOLVED"
     assert headline in (root / "summary.md").read_text() and saved["bracket"]["factor"] == 3.0
     assert len(list((root / "results").rglob("*.json"))) == 2
+    for rec in (json.loads(f.read_text()) for f in (root / "results").rglob("*.json")):  # real clocks
+        assert [r[0] for r in rec["eval_curve"]] == [0, 2] and rec["eval_curve"][1][3] > 0
+        assert rec["to_quality"]["eval/reverse_kl"]["reference"] == saved["baseline"]["reverse_kl"]
     # What the budget was calibrated on: the exact student and teacher weights.
     for role, path in zip(("student", "teacher"), pair):
         want = hashlib.sha256(pathlib.Path(path, "model.safetensors").read_bytes()).hexdigest()
@@ -151,7 +155,8 @@ def test_small_study_writes_all_outputs_and_resume_skips_finished_runs(pair, tmp
 
 
 def _fake_runs(monkeypatch):
-    """pipeline.train / probe stand-ins: final RKL = 1 + 100·sigma² (+ 0.3 for RL), M = sigma², k3 logged."""
+    """pipeline.train / probe stand-ins: final RKL = 1 + 100·sigma² (+ 0.3 for RL), M = sigma², k3 logged; the
+    evaluations: RKL 50 at step 0 (training second 0), the final RKL at step 1 (training second 2)."""
     from opdjax.admission import probe
     from opdjax.admission.records import ProbeResult
     from opdjax.pipeline import loop as pipeline
@@ -165,7 +170,9 @@ def _fake_runs(monkeypatch):
         step = {"loss": 0.0, "grad_norm": 1.0, "mismatch/k3": s * s, "mismatch/k1": 0.0,
                 "mismatch/abs_log_ratio_p95": s, "policy/step_k3": 1e-4 * (1 + cfg.seed),
                 **({"reward_mean": 0.5} if rl else {})}
-        (out / "metrics.jsonl").write_text(json.dumps({"step": 1, **step}) + "\n")
+        first = {"step": 0, "eval/reverse_kl": 50.0, "eval/accuracy": 0.0, "time/elapsed_train": 0.0}
+        step.update({"eval/reverse_kl": rkl, "eval/accuracy": max(0.9 - s, 0.0), "time/elapsed_train": 2.0})
+        (out / "metrics.jsonl").write_text(json.dumps(first) + "\n" + json.dumps({"step": 1, **step}) + "\n")
         (out / "student_final").mkdir(exist_ok=True)
         return {"steps": 1, "initial": {"eval/reverse_kl": 50.0, "eval/accuracy": 0.0},
                 "final": {"eval/reverse_kl": rkl, "eval/accuracy": max(0.9 - s, 0.0)}}
@@ -304,6 +311,29 @@ def test_knee_candidates_sit_below_inside_and_above_the_bracket_and_never_on_a_s
     # docs/results/budget_sort_cpu (qwen3): M saturates near 16 < 3 B = 22.7, so no level reaches 3 B: no fourth candidate
     qwen3 = [(0.5, 1.78), (1.0, 5.97), (2.0, 12.4), (3.0, 15.4)]
     assert study_mod.knee_candidates(pts(qwen3), 7.57) == [0.45, 1.41, 3.3]
+
+def test_study_records_carry_time_to_quality_against_the_baseline(pair, tmp_path, monkeypatch):
+    """Each saved record measures its evaluation curve against the baseline's final reverse KL (the baseline's own
+    records too, rewritten once the baseline is known)."""
+    _fake_runs(monkeypatch)
+    study = _study(pair, tmp_path / "fake", "seeds=[0, 1]", "weight_noise=[0, 0.3]", "staleness=[]",
+                   "fit=isotonic", "rl.enabled=false", "shift.enabled=false")
+    out = study_mod.run_study(study, log=lambda s: None)
+    ref = out["baseline"]["reverse_kl"]  # about 1.005: seeds 1.0 and 1.01
+    for point, seed, reached in (("baseline", 1, ["0.5", "0.8", "0.9", "0.95"]),
+                                 ("weight_noise=0.3", 0, ["0.5", "0.8"])):
+        rec = json.loads((tmp_path / "fake" / "results" / point / f"seed{seed}.json").read_text())
+        q = rec["to_quality"]["eval/reverse_kl"]
+        assert q["reference"] == ref and q["reference_from"] == "baseline final" and q["initial"] == 50.0
+        # sigma 0.3: RKL 10, (50 - 10) / (50 - ref) = 0.82 of the way: 0.5 and 0.8 reached at step 1, second 2
+        assert [f for f, t in q["thresholds"].items() if t["reached"] == "reached"] == reached
+        assert {(t["step"], t["seconds"]) for f, t in q["thresholds"].items() if f in reached} == {(1, 2.0)}
+        p = (50.0 - (1.01 if point == "baseline" else 10.0)) / (50.0 - ref)
+        assert q["auc"] == pytest.approx(p / 2)  # one trapezoid from 0 to p over 2 s
+        assert rec["to_quality"]["eval/accuracy"]["reference"] == pytest.approx(0.9)
+    old = dict(rec, eval_curve=[r[:3] for r in rec["eval_curve"]], to_quality=None)  # a record without clocks
+    assert study_mod.against_baseline(RunResult.from_dict(old), out["baseline"]).to_quality is None
+
 
 def test_adaptive_study_reports_a_bracketed_b_and_a_fixed_sweep_that_misses_the_knee_is_unresolved(
         pair, tmp_path, monkeypatch):
