@@ -327,9 +327,7 @@ def copy_bandwidth(torch, device: str, nbytes: int) -> float | None:
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
-    t = time_step(lambda: b.copy_(a), 10, torch, device)
-    del a, b
-    return 2 * nbytes / t
+    return 2 * nbytes / time_step(lambda: b.copy_(a), 10, torch, device)
 
 
 def measure_shape(cfg, rows: list[dict], context: int, mode: str, a, torch) -> None:
@@ -350,7 +348,7 @@ def measure_shape(cfg, rows: list[dict], context: int, mode: str, a, torch) -> N
             r["measured"] = {"kind": "measured", "step_s": step_s, "per_token_s": step_s / b, "tok_s": b / step_s,
                              "how": how, "gemm": mode if is_fp8 else "bf16", "attention": a.attention}
             del fn
-        del cache, w
+        cache = w = sub = None  # free this precision's weights and cache before the next
         if a.device.startswith("cuda"):
             torch.cuda.empty_cache()
 
