@@ -199,7 +199,8 @@ _KERNEL: dict = {}
 def triton_kernel():
     """The Triton decode-attention kernel (built on first use, so TRITON_INTERPRET set before it applies): one
     program per (sequence, KV head) streams its K/V blocks in their storage dtype (BF16 or e4m3), converts them to
-    float32 in registers (tl.dot: TF32 on a GPU), and keeps an online softmax for the G = heads / kv_heads queries that share them."""
+    float32 in registers (tl.dot: TF32 on a GPU), and keeps an online softmax for the G = heads / kv_heads queries
+    that share them."""
     if "k" in _KERNEL:
         return _KERNEL["k"]
     import triton
