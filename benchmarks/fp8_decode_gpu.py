@@ -447,14 +447,17 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def resolve_attention(a) -> str:
-    """--attention auto: "triton" on a CUDA device where Triton imports, else "sdpa". On a CPU, Triton (when
-    installed) only runs in its interpreter: TRITON_INTERPRET=1 is set (before Triton is imported) for the check."""
+    """--attention auto: "triton" on a CUDA device where Triton imports (and for --model-only), else "sdpa". On a
+    CPU, Triton (when installed) only runs in its interpreter: TRITON_INTERPRET=1 is set (before Triton is imported)
+    for the kernel check."""
     have = importlib.util.find_spec("triton") is not None
     if a.device is not None and not a.device.startswith("cuda") and have:
         os.environ["TRITON_INTERPRET"] = "1"
     if a.attention != "auto":
         return a.attention
-    return "triton" if have and a.device is not None and a.device.startswith("cuda") else "sdpa"
+    if a.device is None:
+        return "triton"  # --model-only: model the path a GPU run takes
+    return "triton" if have and a.device.startswith("cuda") else "sdpa"
 
 
 def device_checks(a, res: dict, torch) -> bool:
@@ -498,7 +501,8 @@ def main(argv=None) -> int:
     bw, bw_name = device_bandwidth(a, torch)
     res = {"args": vars(a), "bandwidth": bw, "bandwidth_name": bw_name, "shapes": {}}
     print(f"model: bytes moved / {bw / 1e12:.2f} TB/s ({bw_name}); weights + KV in {a.memory_gib:g} GiB, "
-          f"{a.context} cached tokens per sequence; FP8 = {FP8_RECIPE}")
+          f"{a.context} cached tokens per sequence; FP8 = {FP8_RECIPE}; 'as timed' = {a.attention} attention"
+          + (" (FP8 KV dequantized to a BF16 copy)" if a.attention == "sdpa" else " (FP8 KV read as stored)"))
     ok = device_checks(a, res, torch) if torch is not None else True
     for shape in a.shapes.split(","):
         cfg = shape_config(shape)
