@@ -15,6 +15,9 @@ __all__ = ["PRESET_MODELS", "model_config"]
 
 # Public HF config.json shapes (hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied, bias, qk_norm).
 PRESET_MODELS: dict[str, dict[str, Any]] = {
+    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
+                       num_kv_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                       attention_bias=False, qk_norm=True),
     "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                       num_kv_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
                       attention_bias=False, qk_norm=False),

@@ -4,6 +4,7 @@
     recipes    QSpec, Recipe, the preset RECIPES, recipe files, applying a recipe to named weights
     hooks      ForwardQuant (a recipe inside a forward pass), calibrated KV scales, check_effective
     capacity   weight bytes, KV bytes per token, KV tokens that fit in memory
+    decode_cost  a bytes-moved model of a decode step (BF16 vs a recipe) at the batch that memory allows
 """
 
 from opdjax.quant.capacity import kv_cache_bytes_per_token, kv_capacity_tokens, weight_bytes
