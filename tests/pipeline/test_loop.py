@@ -143,7 +143,7 @@ def test_the_training_clock_excludes_evaluation_and_continues_across_a_resume(pa
     clock = [x["time/elapsed_train"] for x in steps]
     assert [x["step"] for x in steps] == [1, 2, 3, 4] and clock == sorted(clock)
     assert clock[2] > first["time"]["elapsed_train"]  # continued from the checkpoint, not from 0
-    assert summary["time"]["elapsed_eval"] >= 4 * 0.5  # steps 0 and 2 (first session), 4 (second)
+    assert summary["time"]["elapsed_eval"] >= 3 * 0.5  # steps 0 and 2 (first session), 4 (second)
     assert clock[-1] <= summary["time"]["elapsed_train"] < wall_first + wall_second - summary["time"]["elapsed_eval"]
     assert [r[0] for r in summary["eval_curve"]] == [0, 2, 4] and summary["eval_curve"][:2] == first["eval_curve"]
     assert summary["eval_curve"][2][3] == pytest.approx(steps[-1]["time/elapsed_train"], abs=0.05)
