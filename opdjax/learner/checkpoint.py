@@ -59,19 +59,20 @@ def save_checkpoint(directory: str | pathlib.Path, state: TrainState, extra: Map
         if not _finite(_as_tree(state)):
             raise NonFiniteError(f"step {step}: the parameters hold NaN or infinite values; not saved under {root} "
                                  f"(the checkpoints there are kept)")
-        existed = (root / str(step)).exists()
-        try:
-            with _orbax_errors_held() as held:
+        existed, err, fault = (root / str(step)).exists(), None, None
+        with _orbax_errors_held() as held:  # held until orbax's threads of a failed save have gone quiet
+            try:
                 _write(root, step, state, extra, max_to_keep)
-        except Exception as e:
-            fault = _machine_fault(e, root, step)
-            if jax.process_index() == 0 and not existed:
-                _remove_partial(root, step)
-            if fault is None:
-                held.release()
-                raise
-            raise fault from e
+            except Exception as e:
+                err, fault = e, _machine_fault(e, root, step)
+                if jax.process_index() == 0 and not existed:
+                    _remove_partial(root, step)
+                held.settle()
+        if fault is not None:
+            raise fault from err
         held.release()
+        if err is not None:
+            raise err
 
 
 def _write(root: pathlib.Path, step: int, state: TrainState, extra: Mapping[str, Any], keep: int) -> None:
@@ -142,6 +143,14 @@ class _Held(logging.Filter):
             self.records.append(record)
             return False
         return True
+
+    def settle(self, quiet_s: float = 0.25, limit_s: float = 3.0) -> None:
+        """Wait until no new record has arrived for `quiet_s` (at most `limit_s`): a failed save's background
+        threads log their errors after the save's exception is raised."""
+        deadline, n = time.monotonic() + limit_s, -1
+        while len(self.records) != n and time.monotonic() < deadline:
+            n = len(self.records)
+            time.sleep(quiet_s)
 
     def release(self) -> None:
         logger, records, self.records = logging.getLogger("absl"), self.records, []
