@@ -46,7 +46,7 @@ import numpy as np
 
 from opdjax.core.corrections import Correction, apply_correction
 from opdjax.core.mismatch import float_dtype, is_concrete, masked_mean
-from opdjax.core.registry import register
+from opdjax.core.registry import lookup, register
 from opdjax.core.types import BATCH_FIELDS, Batch
 
 Array = jax.Array
@@ -115,9 +115,7 @@ def register_loss(name: str, needs: frozenset[str] = frozenset()) -> Callable[[L
 
 def get_loss(name: str) -> LossFn:
     """The registered loss ``name``; unknown names raise ValueError listing the registered ones."""
-    if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; registered losses: {', '.join(sorted(LOSSES))}")
-    return LOSSES[name]
+    return lookup(LOSSES, name, "loss", "losses")
 
 
 def loss_needs(name: str) -> frozenset[str]:

@@ -8,9 +8,9 @@ built-in loss, correction or task.
 
 from __future__ import annotations
 
-from typing import Any, MutableMapping
+from typing import Any, Mapping, MutableMapping
 
-__all__ = ["qualified_name", "register"]
+__all__ = ["lookup", "qualified_name", "register"]
 
 
 def qualified_name(obj: Any) -> str:
@@ -32,3 +32,10 @@ def register(table: MutableMapping[str, Any], kind: str, name: str, obj: Any, *,
         raise ValueError(f"{kind} {name!r} is already registered to {qualified_name(old)}, not {new}; pick another "
                          f"name (re-registering the same definition, e.g. re-running a notebook cell, replaces it)")
     table[name] = obj
+
+
+def lookup(table: Mapping[str, Any], name: str, kind: str, plural: str, error: type[Exception] = ValueError) -> Any:
+    """``table[name]``; `error` naming `name` and listing the registered `plural` when it is not there."""
+    if name not in table:
+        raise error(f"unknown {kind} {name!r}; registered {plural}: {', '.join(sorted(table))}")
+    return table[name]

@@ -17,7 +17,7 @@ import dataclasses
 import re
 from typing import Callable
 
-from opdjax.core.registry import register
+from opdjax.core.registry import lookup, register
 
 __all__ = ["ANSWER_MARKERS", "GRADERS", "Grader", "final_answer", "get_grader", "last_number", "register_grader"]
 
@@ -50,9 +50,7 @@ def register_grader(name: str, check: Callable[[str], str | None] | None = None)
 
 def get_grader(name: str) -> Grader:
     """The registered grader ``name``; ValueError listing the registered ones otherwise."""
-    if name not in GRADERS:
-        raise ValueError(f"unknown grader {name!r}; registered graders: {', '.join(sorted(GRADERS))}")
-    return GRADERS[name]
+    return lookup(GRADERS, name, "grader", "graders")
 
 
 def final_answer(text: str) -> str:

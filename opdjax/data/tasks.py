@@ -40,7 +40,7 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator, Protocol, runtim
 import numpy as np
 
 from opdjax.core.errors import InputError
-from opdjax.core.registry import register
+from opdjax.core.registry import lookup, register
 from opdjax.data.chat import ChatError, ChatPrompt, check_turns, split_turns
 from opdjax.data.graders import GRADERS, get_grader
 
@@ -112,9 +112,7 @@ class TaskFileNotFound(TaskError, FileNotFoundError):
 
 def get_task(name: str, **options) -> Task:
     """Build a registered task; unknown names or options raise ValueError listing what is valid."""
-    if name not in TASKS:
-        raise TaskError(f"unknown task {name!r}; registered tasks: {', '.join(sorted(TASKS))}")
-    cls = TASKS[name]
+    cls = lookup(TASKS, name, "task", "tasks", TaskError)
     if dataclasses.is_dataclass(cls):
         valid = [f.name for f in dataclasses.fields(cls) if f.init]
         bad = sorted(set(options) - set(valid))

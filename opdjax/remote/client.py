@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -36,7 +34,7 @@ from opdjax.core.errors import InputError
 from opdjax.models.config import ModelConfig
 from opdjax.remote import protocol
 from opdjax.remote.lease import RunId
-from opdjax.remote.pool import (CallSettings, Pool, Server, ServerBusy, ServerDown, ServerRefused,
+from opdjax.remote.pool import (BoundClient, CallSettings, Server, ServerBusy, ServerDown, ServerRefused,
                                 ServersUnavailable, read_token)
 from opdjax.remote.server import spec_fingerprint
 from opdjax.rollout.base import RolloutBatch, SamplingParams
@@ -168,44 +166,29 @@ def _vllm_apply(s: Server, version: int) -> None:
         s.call("POST", "/resume")
 
 
-class RemoteEngine:
+class RemoteEngine(BoundClient):
     """A RolloutEngine whose rows are sampled by rollout servers (see the module docstring).
 
     `version` is the newest version published to the servers; `link` is the publish transport the pipeline's
     Publisher sends through. The servers must serve `cfg`'s model (checked by spec fingerprint).
     """
 
-    shared = True  # the servers outlive the run and may hold other weights: a run publishes its own first
+    # shared (BoundClient): the servers outlive the run and may hold other weights: a run publishes its own first
 
     def __init__(self, endpoints: Sequence[str], token: str, cfg: ModelConfig, *, pad_id: int,
                  calls: CallSettings = CallSettings(), sync: bool = True, publish_timeout: float = 60.0,
                  transport: str = "tcp", shm_root: str | None = None, run: RunId | None = None, log_fn=None):
         self.cfg, self.pad_id, self.sync = cfg, int(pad_id), bool(sync)
-        self.run = run or RunId.fresh(_default_label())
         self.published: int | None = None
         self.link = _FanOutLink(self, publish_timeout, transport, shm_root)
-        self.pool = Pool("rollout", endpoints, token, calls, check=self._check, run=self.run, log_fn=log_fn)
-        try:
-            self.pool.live()  # at least one server at start
-            dtypes = {s.info.get("dtype") for s in self.pool.servers if s.up}
-            if len(dtypes) != 1:
-                raise ServerRefused(f"rollout servers serve different dtypes {sorted(map(str, dtypes))}")
-        except BaseException:
-            self.pool.release()
-            raise
-        self.spec = ModelSpec.from_config(cfg, np_dtype(dtypes.pop()))
+        self._bind_pool("rollout", endpoints, token, calls, run, log_fn, then=self._one_dtype)
 
-    def close(self, release: bool = True) -> None:
-        """The run is over: free the servers for the next run (`release=False`: leave that to another process of
-        this run)."""
-        if release:
-            self.pool.release()
-
-    def __enter__(self) -> "RemoteEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _one_dtype(self) -> None:
+        """The live servers' one dtype sets the spec publishes are checked against (ServerRefused for several)."""
+        dtypes = {s.info.get("dtype") for s in self.pool.servers if s.up}
+        if len(dtypes) != 1:
+            raise ServerRefused(f"rollout servers serve different dtypes {sorted(map(str, dtypes))}")
+        self.spec = ModelSpec.from_config(self.cfg, np_dtype(dtypes.pop()))
 
     @property
     def version(self) -> int:
@@ -214,10 +197,6 @@ class RemoteEngine:
     def mark_published(self, version: int) -> None:
         """Another learner process published `version` to the servers (this one expects it from now on)."""
         self.published = int(version)
-
-    @property
-    def outages(self) -> list[dict[str, Any]]:
-        return self.pool.outages
 
     def _check(self, s: Server) -> None:
         info = s.info
@@ -284,11 +263,6 @@ def _check_session(s: Server, resp: dict[str, Any], session: str) -> None:
                          f"another run holds it; this run stops before it trains on that rollout")
 
 
-def _default_label() -> str:
-    """host:pid of this process (a run that names itself no better)."""
-    return f"{socket.gethostname()}:pid{os.getpid()}"
-
-
 def _vllm_generate(s: Server, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                    seed: int) -> dict[str, Any]:
     """Rows sampled by vLLM's token-in-token-out endpoint (one request per row, concurrently), as the completions
@@ -315,36 +289,13 @@ def _vllm_generate(s: Server, prompts: Sequence[Sequence[int]], sampling: Sampli
         return {"choices": list(ex.map(row, range(len(prompts))))}
 
 
-class RemoteTeacher:
+class RemoteTeacher(BoundClient):
     """A Teacher whose scores come from teacher servers (rows shared over them); see the module docstring."""
-
-    shared = True  # the servers outlive the run: bound to it while it runs, freed by `close`
 
     def __init__(self, endpoints: Sequence[str], token: str, cfg: ModelConfig, *, temperature: float,
                  calls: CallSettings = CallSettings(), run: RunId | None = None, log_fn=None):
         self.cfg, self.temperature = cfg, float(temperature)
-        self.run = run or RunId.fresh(_default_label())
-        self.pool = Pool("teacher", endpoints, token, calls, check=self._check, run=self.run, log_fn=log_fn)
-        try:
-            self.pool.live()
-        except BaseException:
-            self.pool.release()
-            raise
-
-    def close(self, release: bool = True) -> None:
-        """The run is over: free the teacher servers for the next run (`release=False`: another process does)."""
-        if release:
-            self.pool.release()
-
-    def __enter__(self) -> "RemoteTeacher":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    @property
-    def outages(self) -> list[dict[str, Any]]:
-        return self.pool.outages
+        self._bind_pool("teacher", endpoints, token, calls, run, log_fn)
 
     def _check(self, s: Server) -> None:
         info = s.info

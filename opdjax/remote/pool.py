@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import socket
 import threading
 import time
 import urllib.error
@@ -24,7 +26,7 @@ from opdjax.sync import BridgeError
 
 log = logging.getLogger("opdjax.remote")
 
-__all__ = ["CallSettings", "NotFound", "Pool", "Server", "ServerBusy", "ServerDown", "ServerRefused",
+__all__ = ["BoundClient", "CallSettings", "NotFound", "Pool", "Server", "ServerBusy", "ServerDown", "ServerRefused",
            "ServersUnavailable", "error_message", "read_token", "split_rows"]
 
 
@@ -265,3 +267,42 @@ class Pool:
                     raise ServersUnavailable(f"{self.role}: rows {pending} failed {attempt} times")
                 time.sleep(self.calls.backoff * 2 ** min(attempt - 1, 5))
         return [results[i] for i in sorted(results)]
+
+
+class BoundClient:
+    """What `RemoteEngine` and `RemoteTeacher` share: a `Pool` of servers of one role, bound to the run (`run`,
+    a fresh `RunId` when None) from the first contact until `close` frees them (also as a context manager)."""
+
+    shared = True  # the servers outlive the run: bound to it while it runs, freed by `close`
+    pool: Pool
+
+    def _bind_pool(self, role: str, endpoints: Sequence[str], token: str, calls: CallSettings, run: RunId | None,
+                   log_fn, then: Callable[[], None] = lambda: None) -> None:
+        """Make `self.pool` and wait (bounded) for a live server; `then()` checks more. On any failure the servers
+        bound so far are freed before the error propagates."""
+        self.run = run or RunId.fresh(f"{socket.gethostname()}:pid{os.getpid()}")
+        self.pool = Pool(role, endpoints, token, calls, check=self._check, run=self.run, log_fn=log_fn)
+        try:
+            self.pool.live()
+            then()
+        except BaseException:
+            self.pool.release()
+            raise
+
+    def _check(self, s: Server) -> None:
+        raise NotImplementedError
+
+    @property
+    def outages(self) -> list[dict[str, Any]]:
+        return self.pool.outages
+
+    def close(self, release: bool = True) -> None:
+        """The run is over: free the servers for the next run (`release=False`: another process of the run does)."""
+        if release:
+            self.pool.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
