@@ -329,7 +329,8 @@ class PipelineConfig:
     mode: str = field("sync", choices=("sync", "async"),
                       help="sync: sample, then train on it; async: the engine samples ahead on a background worker")
     max_staleness: int = field(1, help="async: drop rollouts older than this many versions")
-    queue_size: int = field(2, help="async: rollouts the engine may run ahead")
+    queue_size: int = field(1, help="async: rollouts sampled ahead of the learner, the one in flight included; each "
+                                   "is at most this many versions old (more than max_staleness: some are dropped)")
     eval_every: int = field(50, help="evaluate on held-out prompts every this many steps (0: only at the end)")
     eval_prompts: int = field(128, help="held-out prompts per evaluation")
     eval_seed: int = field(7, help="draws the held-out prompts: one fixed set for every run seed (paired "

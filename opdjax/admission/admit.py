@@ -12,9 +12,14 @@ samples batch by batch and, after each, computes one-sided bounds [lo, hi] on M 
 optional stopping (alpha spending over looks, `opdjax.admission.sequential`); `--risk` is the chance of a false ADMIT,
 and separately of a false REJECT):
 
-    ADMIT      hi <= B          (the whole interval is inside the budget)
-    REJECT     lo >  B          (the whole interval is outside)
-    UNCERTAIN  otherwise, once `--max-batches` batches are in (treat as not admitted: `admit` exits 1)
+    ADMIT      hi <= B_lo       (M's whole interval is below every B the study's noise allows)
+    REJECT     lo >  B_hi       (M's whole interval is above every one)
+    UNCERTAIN  otherwise, once `--max-batches` batches are in, or as soon as M's bounds lie inside [B_lo, B_hi]
+               (treat as not admitted: `admit` exits 1)
+
+[B_lo, B_hi] is B's own interval (budget.json's `budget_interval`: the study's bootstrap over its baseline's and
+levels' seeds), so B's uncertainty counts against a candidate, never for it; a budget file without one is decided
+against the point B (B_lo = B_hi = B).
 
 A candidate far from B stops after its first batch; one near B samples up to the cap. Each verdict comes with one
 line saying why (M, bounds, B, batches).
@@ -44,11 +49,12 @@ __all__ = ["VERDICTS", "verdict", "split_candidate", "candidate_config", "setup_
 VERDICTS = ("ADMIT", "REJECT", "UNCERTAIN")
 
 
-def verdict(ci_low: float, ci_high: float, budget: float) -> str:
-    """ADMIT if ci_high <= budget, REJECT if ci_low > budget, UNCERTAIN otherwise (also for a NaN bound)."""
+def verdict(ci_low: float, ci_high: float, budget: float, budget_high: float | None = None) -> str:
+    """ADMIT if ci_high <= budget (B's lower end), REJECT if ci_low > budget_high (B's upper end; default
+    `budget`), UNCERTAIN otherwise (also for a NaN bound)."""
     if ci_high <= budget:
         return "ADMIT"
-    if ci_low > budget:
+    if ci_low > (budget if budget_high is None else budget_high):
         return "REJECT"
     return "UNCERTAIN"
 
@@ -133,17 +139,19 @@ def admit(candidates: Sequence[str], budget: Budget, *, config: str | Mapping[st
     parsed = [(c, split_candidate(c)) for c in candidates]
     source = setup_source(budget, config)
     cfgs = [candidate_config(source, overrides, parts) for _, parts in parsed]
+    b_lo, b_hi = budget.interval or (budget.budget, budget.budget)
     rows = []
     for (text, parts), cfg in zip(parsed, cfgs):
         log(f"probing {text} ...")
-        r = probe_fn(cfg, budget.budget, metric=budget.metric, risk=risk, max_batches=max_batches, seed=seed,
-                     log=lambda s: None)
-        v = verdict(r.ci_low, r.ci_high, budget.budget)
+        r = probe_fn(cfg, b_lo, metric=budget.metric, risk=risk, max_batches=max_batches, seed=seed,
+                     log=lambda s: None, budget_high=b_hi)
+        v = verdict(r.ci_low, r.ci_high, b_lo, b_hi)
         rows.append(AdmitRow(candidate=text, overrides=parts, metric=r.metric, m=float(r.m), ci_low=float(r.ci_low),
                              ci_high=float(r.ci_high), budget=budget.budget, verdict=v, seconds=float(r.seconds),
                              tokens=int(r.tokens), metrics=dict(r.metrics), batches=int(r.batches), risk=risk,
-                             reason=r.reason or explain(v, r.m, r.ci_low, r.ci_high, budget.budget, r.batches,
-                                                        max_batches, risk)))
+                             reason=r.reason or explain(v, r.m, r.ci_low, r.ci_high, b_lo, r.batches,
+                                                        max_batches, risk, b_hi),
+                             budget_interval=None if budget.interval is None else list(budget.interval)))
     return rows
 
 
@@ -164,7 +172,9 @@ def format_admit_table(rows: Sequence[AdmitRow], budget: Budget | None = None) -
         lines.append(f"{r.candidate:<{w}}  {r.m:>10.3e}  {ci:>23}  {r.verdict:>9}  {r.batches:>7d}  {r.tokens:>6d}  "
                      f"{r.seconds:>6.1f}")
     if budget is not None:
-        lines.append(f"budget B = {budget.budget:.3e} ({budget.metric}"
+        band = ("" if budget.interval is None else f" [{budget.interval[0]:.3e}, {budget.interval[1]:.3e}]: ADMIT "
+                f"below its lower end, REJECT beyond its upper end")
+        lines.append(f"budget B = {budget.budget:.3e}{band} ({budget.metric}"
                      + (f", delta {budget.delta:g}" if budget.delta is not None else "") + ")")
     lines += ["", "why:"] + [f"  {r.candidate}: {r.verdict}: {r.reason}" for r in rows] if rows else []
     return "\n".join(lines)

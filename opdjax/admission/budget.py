@@ -35,6 +35,7 @@ class Budget:
     path: str | None = None
     calibrated_on: Mapping[str, Any] | None = None  # `setup_fingerprint` of the study's setup, when recorded
     train_config: Mapping[str, Any] | None = None  # the study's baseline train config (every field), when recorded
+    interval: tuple[float, float] | None = None  # B's interval (budget_interval), when recorded
 
 
 def load_budget(path: str | pathlib.Path) -> Budget:
@@ -73,7 +74,20 @@ def load_budget(path: str | pathlib.Path) -> Budget:
     if on is not None and not isinstance(on, dict):
         raise AdmissionError(f"budget file {p}: 'calibrated_on' must be an object (a setup fingerprint), got {on!r}")
     return Budget(metric=metric, budget=float(b), delta=None if delta is None else float(delta), path=str(p),
-                  calibrated_on=on, train_config=_recorded_train_config(p, d))
+                  calibrated_on=on, train_config=_recorded_train_config(p, d),
+                  interval=_interval(p, float(b), d.get("budget_interval")))
+
+
+def _interval(p: pathlib.Path, b: float, iv: Any) -> tuple[float, float] | None:
+    """budget.json's `budget_interval` [lo, hi] (finite, lo <= B <= hi), or None when the file records none."""
+    if iv is None:
+        return None
+    ok = (isinstance(iv, (list, tuple)) and len(iv) == 2 and all(isinstance(x, (int, float)) and not isinstance(
+        x, bool) and math.isfinite(x) for x in iv))
+    if not ok or not iv[0] <= b <= iv[1]:
+        raise AdmissionError(f"budget file {p}: 'budget_interval' must be [low, high], finite numbers with low <= "
+                             f"budget ({b:.4g}) <= high, got {iv!r}")
+    return float(iv[0]), float(iv[1])
 
 
 def _check_against_points(p: pathlib.Path, b: float, points: Any) -> None:

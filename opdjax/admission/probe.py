@@ -156,9 +156,11 @@ def probe(cfg: TrainConfig, *, batches: int = 4, metric: str = "k3", seed: int =
 
 
 def probe_sequential(cfg: TrainConfig, budget: float, *, metric: str = "k3", risk: float = 0.05,
-                     max_batches: int = DEFAULT_MAX_BATCHES, seed: int = 0, log=print) -> ProbeResult:
-    """M for the engine configuration in `cfg.rollout`, sampled batch by batch until its bounds clear `budget` or
-    `max_batches` batches are in (`sequential.run_sequential`: P(false ADMIT) and P(false REJECT) each < `risk`).
+                     max_batches: int = DEFAULT_MAX_BATCHES, seed: int = 0, log=print,
+                     budget_high: float | None = None) -> ProbeResult:
+    """M for the engine configuration in `cfg.rollout`, sampled batch by batch until its bounds clear `budget` (B's
+    interval [budget, budget_high] when given) or `max_batches` batches are in (`sequential.run_sequential`:
+    P(false ADMIT) and P(false REJECT) each < `risk`).
 
     The batches are the fixed probe's (same prompts and seeds, in order); ci_low/ci_high are the last look's
     one-sided bounds (each at that look's share of `risk`), and `reason` says why the probe stopped.
@@ -173,7 +175,8 @@ def probe_sequential(cfg: TrainConfig, budget: float, *, metric: str = "k3", ris
         return per_sequence_terms(metric, p.student_logp_BT, p.rollout_logp_BT, p.mask_BT)
 
     with _session(cfg, seed, log) as (score, learner_version):
-        seq = sequential.run_sequential(next_batch, budget, alpha=risk, max_batches=max_batches)
+        seq = sequential.run_sequential(next_batch, budget, alpha=risk, max_batches=max_batches,
+                                        budget_high=budget_high)
     res = Rescored.join(parts)
     return ProbeResult(metric=metric, m=seq.m, ci_low=seq.ci_low, ci_high=seq.ci_high, metrics=res.metrics(),
                        seconds=time.time() - t0, tokens=res.tokens, staleness=learner_version - res.min_version,

@@ -89,3 +89,4 @@ class AdmitRow(Record):
     batches: int = 0      # probe batches this candidate needed
     risk: float = 0.05    # the sequential probe's risk: P(false ADMIT), P(false REJECT) each below it
     reason: str = ""      # one line: why this verdict
+    budget_interval: list | None = None  # B's interval [B_lo, B_hi] the verdict was decided against (None: point B)

@@ -3,9 +3,14 @@
 A fixed number of batches wastes samples on candidates far from B and leaves candidates near B UNCERTAIN. Here,
 after each batch j = 1, 2, ..., J (J = the cap), the candidate is judged on every sequence sampled so far:
 
-    ADMIT      hi_j <= B
-    REJECT     lo_j >  B
+    ADMIT      hi_j <= B_lo
+    REJECT     lo_j >  B_hi
+    UNCERTAIN  B_lo <= lo_j and hi_j <= B_hi (M's bounds inside B's own interval: more batches cannot decide it)
     continue   otherwise (UNCERTAIN once j = J)
+
+[B_lo, B_hi] is B's own interval (the study's bootstrap over its seeds, `budget_interval` in budget.json), so a
+verdict holds for every B the study's noise allows: a false ADMIT needs M above some plausible B while M's upper
+bound is below all of them. A budget without an interval is the point B_lo = B_hi = B.
 
 **Validity under optional stopping: alpha spending (a union bound over looks).** Look j uses one-sided bounds at
 level alpha_j = alpha · 6 / (pi^2 · j^2) on each side, so sum_j alpha_j < alpha for any number of looks. A false
@@ -78,12 +83,16 @@ def ratio_bounds(sums_N: np.ndarray, counts_N: np.ndarray, alpha_one_sided: floa
     return r, r - se * (t + max(-h, 0.0)), r + se * (t + max(h, 0.0))
 
 
-def judge(lo: float, hi: float, budget: float) -> str | None:
-    """"ADMIT" if hi <= budget, "REJECT" if lo > budget, else None (keep sampling)."""
+def judge(lo: float, hi: float, budget: float, budget_high: float | None = None) -> str | None:
+    """"ADMIT" if hi <= budget (B's lower end), "REJECT" if lo > budget_high (B's upper end; default `budget`),
+    "UNCERTAIN" if [lo, hi] lies inside [budget, budget_high] (undecidable: stop), else None (keep sampling)."""
+    top = budget if budget_high is None else budget_high
     if hi <= budget:
         return "ADMIT"
-    if lo > budget:
+    if lo > top:
         return "REJECT"
+    if budget_high is not None and budget < budget_high and budget <= lo and hi <= budget_high:
+        return "UNCERTAIN"
     return None
 
 
@@ -101,10 +110,14 @@ class SequentialResult:
 
 
 def run_sequential(next_batch: Callable[[int], tuple[np.ndarray, np.ndarray]], budget: float, *, alpha: float = 0.05,
-                   max_batches: int = 16, min_sequences: int = 32) -> SequentialResult:
+                   max_batches: int = 16, min_sequences: int = 32, budget_high: float | None = None
+                   ) -> SequentialResult:
     """Draw batches b = 0, 1, ... with `next_batch(b) -> (sums_B, counts_B)` (per-sequence metric sums and token
     counts); once `min_sequences` sequences are in, look after every batch and stop at the first look k whose
-    alpha_k bounds clear `budget`, or after `max_batches` batches (UNCERTAIN; the cap is always a look)."""
+    alpha_k bounds `judge` decides against [budget, budget_high] (B's interval; None: the point `budget`), or after
+    `max_batches` batches (UNCERTAIN; the cap is always a look)."""
+    if budget_high is not None and not budget_high >= budget:
+        raise ValueError(f"B's interval must have budget <= budget_high, got [{budget}, {budget_high}]")
     if max_batches < 1 or min_sequences < 3:
         raise ValueError(f"need max_batches >= 1 and min_sequences >= 3, got max_batches={max_batches}, "
                          f"min_sequences={min_sequences}")
@@ -121,20 +134,30 @@ def run_sequential(next_batch: Callable[[int], tuple[np.ndarray, np.ndarray]], b
         k += 1
         a_k = look_alpha(alpha, k)
         m, lo, hi = ratio_bounds(np.concatenate(sums), np.concatenate(counts), a_k)
-        v = judge(lo, hi, budget)
+        v = judge(lo, hi, budget, budget_high)
         if v is not None:
-            return SequentialResult(v, m, lo, hi, j, alpha, explain(v, m, lo, hi, budget, j, max_batches, alpha))
+            return SequentialResult(v, m, lo, hi, j, alpha,
+                                    explain(v, m, lo, hi, budget, j, max_batches, alpha, budget_high))
     return SequentialResult("UNCERTAIN", m, lo, hi, max_batches, alpha,
-                            explain("UNCERTAIN", m, lo, hi, budget, max_batches, max_batches, alpha))
+                            explain("UNCERTAIN", m, lo, hi, budget, max_batches, max_batches, alpha, budget_high))
 
 
 def explain(verdict: str, m: float, lo: float, hi: float, budget: float, batches: int, max_batches: int,
-            alpha: float) -> str:
-    """One line: why `verdict` (M, its bounds, B, batches, the risk)."""
+            alpha: float, budget_high: float | None = None) -> str:
+    """One line: why `verdict` (M, its bounds, B or B's interval [budget, budget_high], batches, the risk)."""
     at = f"M {m:.3e}, bounds [{lo:.3e}, {hi:.3e}] after {batches} batch(es), risk {alpha:g}"
+    if budget_high is None or budget_high == budget:
+        low = high = whole = f"B = {budget:.3e}"
+    else:
+        whole = f"B's interval [{budget:.3e}, {budget_high:.3e}]"
+        low, high = f"the lower end of {whole}", f"the upper end of {whole}"
     if verdict == "ADMIT":
-        return f"{at}: the upper bound is within B = {budget:.3e}"
+        return f"{at}: the upper bound is within {low}"
     if verdict == "REJECT":
-        return f"{at}: the lower bound is beyond B = {budget:.3e}"
-    return (f"{at}: the bounds still contain B = {budget:.3e} at the cap of {max_batches} batches; probe longer "
+        return f"{at}: the lower bound is beyond {high}"
+    if low != whole and batches < max_batches and budget <= lo and hi <= budget_high:
+        return (f"{at}: the bounds lie inside {whole}, so no number of batches can decide it: M is as large as "
+                f"the budget's own uncertainty; treat it as not admitted, or narrow B with more study seeds")
+    verb = "contain" if low == whole else "overlap"
+    return (f"{at}: the bounds still {verb} {whole} at the cap of {max_batches} batches; probe longer "
             f"(--max-batches), accept more risk (--risk), or treat it as not admitted")

@@ -2,8 +2,9 @@
 your HF student and teacher); serve puts a rollout engine or a teacher behind HTTP for learners on other hosts;
 measure reports the mismatch of one engine configuration; study calibrates the mismatch budget B of a
 student/teacher pair; admit screens rollout configurations against B in seconds; sensitivity, recipe-search and
-capacity pick an FP8 recipe that fits B and show the KV-cache tokens it buys; make-tiny and convert write HF
-checkpoints; data convert writes a dataset (messages, question/answer, prompt/completion) as opdjax's JSONL; keys
+capacity pick an FP8 recipe that fits B and show the KV-cache tokens it buys; bench times the running engines and
+plan predicts each admitted candidate's time to quality from those times and the study's steps-to-quality;
+make-tiny and convert write HF checkpoints; data convert writes a dataset (messages, question/answer, prompt/completion) as opdjax's JSONL; keys
 lists every config key with its default, choices and help. `opdjax COMMAND --help` lists a command's options."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from opdjax.cli.admission import add_admission_commands  # noqa: E402
 from opdjax.cli.data import add_data_command  # noqa: E402
 from opdjax.cli.keys import add_keys_command  # noqa: E402
 from opdjax.cli.measure import add_measure_command  # noqa: E402
+from opdjax.cli.plan import add_plan_commands  # noqa: E402
 from opdjax.cli.serve import add_serve_command  # noqa: E402
 from opdjax.cli.study import add_study_command  # noqa: E402
 from opdjax.cli.tools import add_tool_commands  # noqa: E402
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_command(sub)
     add_study_command(sub)
     add_admission_commands(sub)
+    add_plan_commands(sub)
     add_keys_command(sub)
     return p
 

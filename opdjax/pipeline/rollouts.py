@@ -79,15 +79,20 @@ class RolloutSource:
 
 
 class AheadSource(RolloutSource):
-    """Rollouts sampled ahead: a worker thread samples into a queue of `queue_size` with whatever weights the engine
-    serves (seeds `rollout_seed(run_seed, first_step)`, +1, +2, ...); `next` takes the oldest. A worker that fails
-    raises its error on the learner's thread at the next `next`; `close` stops and joins the worker."""
+    """Rollouts sampled ahead: a worker thread samples with whatever weights the engine serves (seeds
+    `rollout_seed(run_seed, first_step)`, +1, +2, ...) and `next` takes the oldest. At most `queue_size` rollouts are
+    ahead of the learner, the one being sampled included: the worker takes a slot before it starts a sample and
+    `next` frees it. A learner that publishes every step therefore trains on rollouts at most `queue_size` versions
+    old (queue_size = max_staleness drops none; sampling first and waiting for room after would add one more
+    version). A worker that fails raises its error on the learner's thread at the next `next`; `close` stops and
+    joins the worker."""
 
     def __init__(self, parts: OPDParts, stream: PromptStream, *, batch_size: int, run_seed: int, first_step: int,
                  queue_size: int, max_staleness: int):
         super().__init__(parts, stream, batch_size=batch_size, run_seed=run_seed)
         self.max_staleness = max_staleness
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._queue: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(queue_size)
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._worker = threading.Thread(target=self._fill, args=(rollout_seed(run_seed, first_step),), daemon=True,
@@ -95,17 +100,14 @@ class AheadSource(RolloutSource):
         self._worker.start()
 
     def _fill(self, seed: int) -> None:
-        """The worker: sample, wait for room in the queue, repeat until stopped; an error is kept for `next`."""
+        """The worker: take a slot (wait while `queue_size` rollouts are ahead), sample, queue it, repeat until
+        stopped; an error is kept for `next`."""
         try:
             while not self._stop.is_set():
-                item = sample(self.parts, self.stream, self.batch_size, seed)
+                if not self._slots.acquire(timeout=0.1):
+                    continue
+                self._queue.put(sample(self.parts, self.stream, self.batch_size, seed))
                 seed += 1
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
         except BaseException as e:  # surfaced to the learner thread
             self._error = e
 
@@ -114,10 +116,13 @@ class AheadSource(RolloutSource):
             if self._error is not None:
                 raise RuntimeError("rollout worker failed") from self._error
             try:
-                return self._queue.get(timeout=0.5)
+                item = self._queue.get(timeout=0.5)
             except queue.Empty:
                 if not self._worker.is_alive() and self._error is None:
                     raise RuntimeError("rollout worker stopped unexpectedly")
+                continue
+            self._slots.release()  # the learner has it: the worker may start the next sample
+            return item
 
     def close(self) -> None:
         """Stop the worker and wait for it (up to 30 s: a sample in flight finishes first)."""

@@ -176,11 +176,21 @@ def aggregate(point: Point, recs: Sequence[Mapping], baseline: Mapping[str, floa
         "seeds": [{"seed": r.seed, "m_probe": r.m_probe, "m_train": r.m_train_k3,
                    "reverse_kl": r.reverse_kl, "accuracy": r.accuracy, "q_loss": q,
                    "nonfinite_steps": r.nonfinite_steps, **({"reward_last": r.reward_last}
-                                                               if r.reward_last is not None else {})}
+                                                               if r.reward_last is not None else {}),
+                   **_steps_to_quality(r)}
                   for r, q in zip(recs, losses)],
         "seconds": float(sum(r.probe_seconds + r.train_seconds for r in recs)),
     }
     return row
+
+
+def _steps_to_quality(r) -> dict[str, Any]:
+    """{"steps_to_quality": {fraction: step or None (not reached)}, "train_steps"} of a record's reverse-KL
+    `to_quality` (against the study's baseline); {} for a record without one (written before the training clock)."""
+    tq = (getattr(r, "to_quality", None) or {}).get("eval/reverse_kl")
+    if not tq or "thresholds" not in tq:
+        return {}
+    return {"steps_to_quality": {f: t["step"] for f, t in tq["thresholds"].items()}, "train_steps": int(r.steps)}
 
 
 def straddles(q_loss_seeds: Sequence[float], delta: float) -> bool:

@@ -14,7 +14,7 @@ from opdjax import quant
 from opdjax.admission import admit, records, search
 from opdjax.admission import budget as bio
 from opdjax.admission import probe as probe_mod
-from opdjax.admission.budget import AdmissionError, Budget
+from opdjax.admission.budget import AdmissionError, Budget, load_budget
 from opdjax.cli import admission as cli_admission
 from opdjax.core import layout
 from opdjax.models import presets
@@ -93,6 +93,36 @@ def run_cli(argv, monkeypatch, probe=None):
                                      (float("nan"), float("nan"), "UNCERTAIN")])
 def test_verdict_compares_the_whole_ci_with_the_budget(lo, hi, v):
     assert admit.verdict(lo, hi, 0.01) == v
+
+
+# B's interval [0.008, 0.012]: ADMIT needs M's upper bound at or below its lower end, REJECT M's lower bound beyond
+# its upper end; everything between (M's bounds overlapping B's) is UNCERTAIN.
+@pytest.mark.parametrize("lo,hi,v", [(0.001, 0.008, "ADMIT"), (0.001, 0.0081, "UNCERTAIN"),
+                                     (0.0121, 0.02, "REJECT"), (0.012, 0.02, "UNCERTAIN"),
+                                     (0.0101, 0.0119, "UNCERTAIN"), (0.009, 0.011, "UNCERTAIN")])
+def test_verdict_against_b_interval_decides_only_beyond_its_edges(lo, hi, v):
+    assert admit.verdict(lo, hi, 0.008, 0.012) == v
+    assert admit.verdict(lo, hi, 0.01) == ("ADMIT" if hi <= 0.01 else "REJECT" if lo > 0.01 else "UNCERTAIN")
+
+
+def test_admit_decides_against_the_budgets_interval_and_reports_it(tmp_path, monkeypatch, capsys):
+    """A candidate beyond the point B but inside B's upper uncertainty is not REJECTed, and one below B but above
+    its lower end is not ADMITted (the qwen3 case: M 9.0 inside B's [4.99, 9.78] was REJECTed against B = 7.57)."""
+    out = tmp_path / "report.json"
+    args = ["rollout.weight_noise=0.005", "rollout.weight_noise=0.0075", "rollout.weight_noise=0.0115",
+            "rollout.weight_noise=0.02"]  # bounds +-10%: [0.0045, 0.0055], [0.00675, 0.00825], [0.01035, ...]
+    point = write_budget(tmp_path, budget=0.01)
+    run_cli(["admit", "--budget", point, "--out", str(out), *args], monkeypatch, FakeProbe())
+    assert [c["verdict"] for c in json.loads(out.read_text())["candidates"]] == ["ADMIT", "ADMIT", "REJECT", "REJECT"]
+    band = write_budget(tmp_path, budget=0.01, budget_interval=[0.008, 0.012])
+    assert run_cli(["admit", "--budget", band, "--out", str(out), *args], monkeypatch, FakeProbe()) == 1
+    rows = json.loads(out.read_text())["candidates"]
+    assert [c["verdict"] for c in rows] == ["ADMIT", "UNCERTAIN", "UNCERTAIN", "REJECT"]
+    assert rows[1]["budget_interval"] == [0.008, 0.012]
+    assert "B = 1.000e-02 [8.000e-03, 1.200e-02]: ADMIT below its lower end" in capsys.readouterr().out
+    for bad in ([0.011, 0.012], [0.008], [0.008, float("inf")], "wide"):
+        with pytest.raises(AdmissionError, match="'budget_interval' must be"):
+            load_budget(write_budget(tmp_path, budget=0.01, budget_interval=bad))
 
 
 def test_exit_code_is_zero_only_when_every_candidate_is_admitted():

@@ -97,6 +97,22 @@ def test_far_candidates_stop_early_and_near_ones_reach_the_cap():
     assert "upper bound" in far_in[0].reason and "lower bound" in far_out[0].reason
 
 
+def test_against_b_interval_a_candidate_inside_it_stops_uncertain_and_ones_beyond_it_are_decided():
+    """B's interval [0.5 B, 2 B]: M = B sits inside it and stops UNCERTAIN at a look, before the cap (no batch can
+    decide it); M = 0.2 B is still ADMITted and 5 B REJECTed; 0.7 B (below B, above the interval's lower end) is
+    never ADMITted."""
+    run = lambda m, s: seq.run_sequential(_stream(m, s), 0.5 * B, budget_high=2 * B)  # noqa: E731
+    inside = [run(B, s) for s in range(20)]
+    assert all(r.verdict == "UNCERTAIN" and r.batches < 16 for r in inside)
+    assert "inside B's interval" in inside[0].reason and "no number of batches" in inside[0].reason
+    assert all(run(0.2 * B, s).verdict == "ADMIT" for s in range(20))
+    assert all(run(5 * B, s).verdict == "REJECT" for s in range(20))
+    assert not any(run(0.7 * B, s).verdict == "ADMIT" for s in range(50))
+    assert seq.judge(0.6 * B, 1.9 * B, 0.5 * B, 2 * B) == "UNCERTAIN" and seq.judge(0.4 * B, B, 0.5 * B, 2 * B) is None
+    with pytest.raises(ValueError, match="budget <= budget_high"):
+        seq.run_sequential(_stream(B, 0), 2 * B, budget_high=B)
+
+
 def test_a_larger_risk_trades_uncertain_for_decisions():
     strict = _verdicts(0.7 * B, 200, alpha=0.01)
     loose = _verdicts(0.7 * B, 200, alpha=0.3)

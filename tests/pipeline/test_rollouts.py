@@ -51,15 +51,20 @@ def test_the_on_demand_source_samples_each_step_at_its_seed_and_never_drops(monk
     assert set(a.seconds) == {"time/generate"}
 
 
-def test_the_ahead_source_fills_its_queue_ahead_and_drops_rollouts_older_than_max_staleness(monkeypatch):
+def test_the_ahead_source_samples_at_most_queue_size_ahead_and_drops_rollouts_older_than_max_staleness(monkeypatch):
     seeds = _engine(monkeypatch)  # every rollout sampled with version 0
     with rollouts.AheadSource(PARTS, _Stream(), batch_size=2, run_seed=7, first_step=5, queue_size=2,
                               max_staleness=1) as source:
         deadline = time.time() + 10
-        while len(seeds) < 3 and time.time() < deadline:  # two queued, a third sampled and waiting for room
+        while len(seeds) < 2 and time.time() < deadline:
             time.sleep(0.01)
+        time.sleep(0.3)  # room for a third sample, were the worker to start one before the learner takes
+        assert seeds == [rollout_seed(7, 5) + i for i in range(2)]  # two ahead, none started beyond them
+        first = source.next(1)
+        while len(seeds) < 3 and time.time() < deadline:  # taking one frees a slot: the third starts
+            time.sleep(0.01)
+        second = source.next(2)
         assert seeds[:3] == [rollout_seed(7, 5) + i for i in range(3)]
-        first, second = source.next(1), source.next(2)
     assert (first.staleness, first.dropped, first.stream_end) == (1, False, 2)
     assert (second.staleness, second.dropped, second.stream_end) == (2, True, 4)
     assert not any(t.name == "opdjax-rollout" for t in threading.enumerate())  # close stopped and joined the worker
