@@ -35,6 +35,7 @@ import numpy as np
 
 from opdjax.admission.admit import candidate_config, split_candidate
 from opdjax.admission.budget import AdmissionError
+from opdjax.pipeline.loop import train
 
 __all__ = ["PhaseTimes", "PlanRow", "bench", "format_plan", "phase_times", "plan", "step_cost", "steps_factor",
            "steps_to_quality"]
@@ -87,8 +88,6 @@ def bench(candidates: Sequence[str], *, config: str | Mapping[str, Any] | None =
     """Time `steps` sync OPD steps of the baseline ("baseline": `config` <- `overrides`) and of each candidate (its
     overrides on top) with `opdjax.pipeline.train`, evaluation off; their `PhaseTimes`, the baseline first. Every
     candidate is parsed and validated before the first run."""
-    from opdjax.pipeline import train  # the loop imports the admission probe's modules: imported when used
-
     if steps < 3:
         raise AdmissionError(f"--steps must be >= 3 (the first steps compile and are left out), got {steps}")
     runs = [("baseline", [])] + [(c, split_candidate(c)) for c in candidates]
