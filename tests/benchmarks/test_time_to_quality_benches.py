@@ -46,3 +46,23 @@ def test_the_prediction_models_fp8_decode_and_async_overlap(predict):
     assert rows["rollout.recipe=fp8_w8a8_kv"].generate == pytest.approx(0.3)
     assert rows["rollout.stale_versions=1"].generate == pytest.approx(0.6)
     assert rows["baseline"].learner == pytest.approx(0.4)
+
+
+@pytest.fixture(scope="module")
+def fits():
+    return load_benchmark("fit_heldout")
+
+
+def test_held_out_fits_recover_a_hinge_and_isotonic_pools_violators(fits):
+    import numpy as np
+
+    assert fits._isotonic(np.array([0, 1, 2.0]), np.array([1.0, 3.0, 2.0]), np.ones(3)).tolist() == [1.0, 2.5, 2.5]
+    rng = np.random.default_rng(0)
+    levels = {"baseline": -27.0, "a": -1.0, "b": 0.5, "c": 1.5, "d": 2.5, "e": 3.0}
+    x = np.concatenate([np.full(8, v) for v in levels.values()])
+    g = [k for k in levels for _ in range(8)]
+    y = -2.0 + 0.8 * np.maximum(0.0, x - 0.0) + rng.normal(0, 0.02, x.size)  # a hinge at ln M = 0
+    held = [k != "c" for k in g]
+    for model in ("hinge", "isotonic", "logistic"):
+        pred = fits.predict(model, x[held], y[held], [k for k in g if k != "c"], 1.5)
+        assert pred == pytest.approx(-2.0 + 0.8 * 1.5, abs={"hinge": 0.1, "isotonic": 0.45, "logistic": 0.25}[model]), model
