@@ -1,11 +1,11 @@
 """The predicted time-to-quality of FP8 + async versus sync BF16 for a named student on a named GPU.
 
-    python benchmarks/predict_time_to_quality.py --budget runs/plan_sort_cpu/budget.json --admission admit.json
+    python benchmarks/predict_time_to_quality.py --study docs/results/plan_sort_cpu/budget.json --admission admit.json
         [--model qwen3-1.7b] [--bandwidth h100-sxm] [--memory-gb 40] [--context 2048] [--rollout-share 0.5 0.65 0.8]
 
 F = S * C per candidate of the admission report, through `opdjax.admission.plan` (the same code as `opdjax plan`):
 
-    S  steps factor: MEASURED on this CPU by the study (`--budget`: steps to 0.9 of the way to the baseline's final
+    S  steps factor: MEASURED on this CPU by the study (`--study`: steps to 0.9 of the way to the baseline's final
        reverse KL, per seed, with its bootstrap interval)
     C  per-step cost: MODELLED. A sync BF16 step is split into a rollout share phi (decode) and a learner share
        1 - phi (teacher scoring, training, weight sync); phi is ASSUMED (`--rollout-share`, one row each). An FP8
@@ -47,7 +47,7 @@ def modelled_times(candidates: list[str], phi: float, r: float) -> list[PhaseTim
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budget", required=True, help="the study's budget.json (steps-to-quality per point)")
+    ap.add_argument("--study", required=True, help="the study's budget.json (steps-to-quality per point)")
     ap.add_argument("--admission", required=True, help="`opdjax admit --out` report of the candidates")
     ap.add_argument("--model", default="qwen3-1.7b")
     ap.add_argument("--bandwidth", default="h100-sxm")
@@ -56,10 +56,10 @@ def main() -> None:
     ap.add_argument("--rollout-share", type=float, nargs="+", default=[0.5, 0.65, 0.8])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    points = json.loads(pathlib.Path(args.budget).read_text())["points"]
+    points = json.loads(pathlib.Path(args.study).read_text())["points"]
     admitted = json.loads(pathlib.Path(args.admission).read_text())["candidates"]
     r = decode_speedup(args.model, args.bandwidth, args.memory_gb, args.context)
-    print(f"inputs: steps factors MEASURED (CPU study {args.budget}); decode speed-up r = {r:.2f}x MODELLED "
+    print(f"inputs: steps factors MEASURED (CPU study {args.study}); decode speed-up r = {r:.2f}x MODELLED "
           f"({args.model}, {args.bandwidth}, {args.memory_gb:g} GiB, context {args.context}, fp8_w8a8_kv); rollout "
           f"share phi ASSUMED; async overlap IDEAL")
     out = []

@@ -33,6 +33,7 @@ registered in `quant.RECIPES` under its path, because `RolloutConfig.recipe` onl
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 from opdjax.admission import probe as probe_mod
@@ -42,8 +43,8 @@ from opdjax.admission.sequential import explain
 from opdjax.config import TrainConfig, load
 from opdjax.core.errors import ConfigError
 
-__all__ = ["VERDICTS", "verdict", "split_candidate", "candidate_config", "setup_source", "admit", "exit_code",
-           "format_admit_table"]
+__all__ = ["KNOBS", "VERDICTS", "verdict", "split_candidate", "candidate_config", "candidate_overrides", "setup_source",
+           "admit", "exit_code", "format_admit_table", "matching_point", "training_view"]
 
 
 VERDICTS = ("ADMIT", "REJECT", "UNCERTAIN")
@@ -121,14 +122,15 @@ ProbeFn = Callable[..., Any]  # probe(cfg, budget, *, metric, risk, max_batches,
 def admit(candidates: Sequence[str], budget: Budget, *, config: str | Mapping[str, Any] | None = None,
           overrides: Sequence[str] = (),
           probe_fn: ProbeFn | None = None, risk: float = 0.05, max_batches: int | None = None, seed: int = 0,
-          log=print) -> list[AdmitRow]:
+          study_points: Sequence[Mapping[str, Any]] = (), log=print) -> list[AdmitRow]:
     """Probe each candidate (a comma-separated override string) sequentially and judge it against `budget`.
 
     Each candidate is layered on `setup_source(budget, config)` (the budget's own setup unless `config` is given),
     then `overrides`.
 
     Every candidate is parsed and its config validated, and `risk` and `max_batches` checked, before the first
-    probe, so a typo fails fast. max_batches None: `probe.DEFAULT_MAX_BATCHES`.
+    probe, so a typo fails fast. max_batches None: `probe.DEFAULT_MAX_BATCHES`. `study_points` (a study's
+    budget.json `points`): a candidate whose knob that study trained gets its `training_view` line.
     """
     probe_fn = probe_fn or probe_mod.probe_sequential
     max_batches = probe_mod.DEFAULT_MAX_BATCHES if max_batches is None else max_batches
@@ -152,7 +154,51 @@ def admit(candidates: Sequence[str], budget: Budget, *, config: str | Mapping[st
                              reason=r.reason or explain(v, r.m, r.ci_low, r.ci_high, b_lo, r.batches,
                                                         max_batches, risk, b_hi),
                              budget_interval=None if budget.interval is None else list(budget.interval)))
+        rows[-1] = dataclasses.replace(rows[-1], training=training_view(study_points, rows[-1]) or "")
     return rows
+
+
+# The study knob each candidate override key sets (`opdjax.study.records.Point.knob`).
+KNOBS = {"rollout.weight_noise": "weight_noise", "rollout.stale_versions": "staleness", "rollout.recipe": "recipe"}
+
+
+def candidate_overrides(candidate: str) -> dict[str, str]:
+    """'a=1,b=2' -> {"a": "1", "b": "2"} (`split_candidate`'s parts)."""
+    return dict(p.split("=", 1) for p in split_candidate(candidate))
+
+
+def matching_point(points: Sequence[Mapping[str, Any]], candidate: str) -> Mapping[str, Any] | None:
+    """The study's sweep point (budget.json `points`) that trained the candidate's own knob — its only KNOBS
+    override, at the same value — or None."""
+    knobs = {KNOBS[k]: v for k, v in candidate_overrides(candidate).items() if k in KNOBS}
+    if len(knobs) != 1:
+        return None
+    (knob, value), = knobs.items()
+    for p in points:
+        if p.get("group") == "sweep" and p.get("knob") == knob and str(p.get("value")) in (value, str(
+                _number(value))):
+            return p
+    return None
+
+
+def _number(text: str) -> Any:
+    try:
+        x = float(text)
+        return int(x) if x.is_integer() and "." not in text else x
+    except ValueError:
+        return text
+
+
+def training_view(points: Sequence[Mapping[str, Any]], row: AdmitRow) -> str | None:
+    """One line: the M training would see, when the study trained the candidate's knob: M * m_train / m_probe of
+    that point (the probe measures the untrained student, and for staleness the step right after warm-up, the
+    run's largest). None when the study has no such point or either M is missing."""
+    p = matching_point(points, row.candidate)
+    if p is None or not p.get("m_probe") or p.get("m_train") is None:
+        return None
+    r = float(p["m_train"]) / float(p["m_probe"])
+    return (f"training sees about M x {r:.3g} = {row.m * r:.3e} (the study's point {p['id']}: probe M "
+            f"{p['m_probe']:.3e}, training M {p['m_train']:.3e}); the verdict stays on the probe's M")
 
 
 def exit_code(rows: Sequence[AdmitRow]) -> int:
@@ -176,5 +222,6 @@ def format_admit_table(rows: Sequence[AdmitRow], budget: Budget | None = None) -
                 f"below its lower end, REJECT beyond its upper end")
         lines.append(f"budget B = {budget.budget:.3e}{band} ({budget.metric}"
                      + (f", delta {budget.delta:g}" if budget.delta is not None else "") + ")")
-    lines += ["", "why:"] + [f"  {r.candidate}: {r.verdict}: {r.reason}" for r in rows] if rows else []
+    lines += ["", "why:"] + [f"  {r.candidate}: {r.verdict}: {r.reason}" + (f"\n    {r.training}" if r.training else "")
+                             for r in rows] if rows else []
     return "\n".join(lines)

@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from opdjax.admission.admit import candidate_config, split_candidate
+from opdjax.admission.admit import candidate_config, candidate_overrides, matching_point, split_candidate
 from opdjax.admission.budget import AdmissionError
 from opdjax.pipeline.loop import train
 
@@ -41,7 +41,6 @@ __all__ = ["PhaseTimes", "PlanRow", "bench", "format_plan", "phase_times", "plan
            "steps_to_quality"]
 
 LEARNER_PHASES = ("time/score", "time/train", "time/publish")
-KNOBS = {"rollout.weight_noise": "weight_noise", "rollout.stale_versions": "staleness", "rollout.recipe": "recipe"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,14 +105,10 @@ def bench(candidates: Sequence[str], *, config: str | Mapping[str, Any] | None =
     return out
 
 
-def _overrides(candidate: str) -> dict[str, str]:
-    return dict(p.split("=", 1) for p in split_candidate(candidate))
-
-
 def step_cost(cand: PhaseTimes, base: PhaseTimes, candidate: str) -> tuple[float, str]:
     """C = t / t0 with t0 = g0 + l0 (sync baseline) and t = max(g, l) for a candidate with rollout.stale_versions
     k >= 1 (async, max_staleness k), else g + l; and the mode it stands for."""
-    k = int(float(_overrides(candidate).get("rollout.stale_versions", 0)))
+    k = int(float(candidate_overrides(candidate).get("rollout.stale_versions", 0)))
     t0 = base.generate + base.learner
     if not t0 > 0:
         raise AdmissionError("bench: the baseline's step took no time; time more steps")
@@ -142,27 +137,6 @@ def _ratio_draws(a: np.ndarray, base: np.ndarray, n: int, rng) -> np.ndarray:
     return a[rng.integers(0, a.size, (n, a.size))].mean(1) / base[rng.integers(0, base.size, (n, base.size))].mean(1)
 
 
-def _matching_point(points: Sequence[Mapping[str, Any]], candidate: str) -> Mapping[str, Any] | None:
-    """The sweep point that trained the candidate's own knob (its only knob override, same value), if any."""
-    knobs = {KNOBS[k]: v for k, v in _overrides(candidate).items() if k in KNOBS}
-    if len(knobs) != 1:
-        return None
-    (knob, value), = knobs.items()
-    for p in points:
-        if p.get("group") == "sweep" and p.get("knob") == knob and str(p.get("value")) in (value, str(
-                _number(value))):
-            return p
-    return None
-
-
-def _number(text: str) -> Any:
-    try:
-        x = float(text)
-        return int(x) if x.is_integer() and "." not in text else x
-    except ValueError:
-        return text
-
-
 def _bracket(curve: Sequence[tuple[float, Mapping]], m: float) -> tuple[Mapping, Mapping, float]:
     """The two points (sorted by probed M) around m and the weight w of the upper one in log M (clamped to [0, 1])."""
     ms = [x for x, _ in curve]
@@ -186,7 +160,7 @@ def steps_factor(points: Sequence[Mapping[str, Any]], candidate: str, m: float, 
                              "opdjax logged a training clock); rerun `opdjax study` to plan with it")
     rng = np.random.default_rng(seed)
     b_steps, cens = table[base["id"]]
-    match = _matching_point(points, candidate)
+    match = matching_point(points, candidate)
     if match is not None and table.get(match["id"]) is not None:
         a_steps, c = table[match["id"]]
         draws, source, cens = _ratio_draws(a_steps, b_steps, n, rng), "measured", cens or c

@@ -90,3 +90,4 @@ class AdmitRow(Record):
     risk: float = 0.05    # the sequential probe's risk: P(false ADMIT), P(false REJECT) each below it
     reason: str = ""      # one line: why this verdict
     budget_interval: list | None = None  # B's interval [B_lo, B_hi] the verdict was decided against (None: point B)
+    training: str = ""    # the M training would see, where the study trained this kind (`admit.training_view`)

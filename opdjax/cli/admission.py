@@ -64,8 +64,9 @@ def _cmd_admit(args) -> int:
     budget = load_budget(args.budget)
     source = _budget_setup(budget, args.config)
     _warn_if_other_setup(budget, candidate_config(source, args.set or []))
+    points = _study_points(args.study or args.budget)
     rows = admit(args.candidates, budget, config=source, overrides=args.set or [], risk=args.risk,
-                 max_batches=args.max_batches, seed=args.seed)
+                 max_batches=args.max_batches, seed=args.seed, study_points=points)
     print(format_admit_table(rows, budget))
     if args.out:
         p = pathlib.Path(args.out)
@@ -74,6 +75,18 @@ def _cmd_admit(args) -> int:
                        "candidates": [r.to_dict() for r in rows]})
         print(f"wrote {p}")
     return exit_code(rows)
+
+
+def _study_points(path: str) -> list:
+    """The `points` of a study's budget.json ([] when it has none); AdmissionError for a missing or broken file."""
+    p = pathlib.Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise AdmissionError(f"study file {p}: cannot read it as a study's budget.json ({type(e).__name__}: "
+                             f"{e})") from None
+    points = d.get("points") if isinstance(d, dict) else None
+    return points if isinstance(points, list) else []
 
 
 def _kv_scales_arg(args, cfg) -> tuple | None:
@@ -161,6 +174,9 @@ def add_admission_commands(subparsers) -> None:
     a.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help=f"global config override applied to every candidate (repeatable) {KEYS_HINT}")
     a.add_argument("--out", default=None, help="write the machine-readable report (JSON) here")
+    a.add_argument("--study", default=None,
+                   help="a study's budget.json whose points say, per kind it trained, how the probe's M compares "
+                        "with the M training sees (default: the budget's own points)")
     a.add_argument("candidates", nargs="+", metavar="CANDIDATE",
                    help="comma-separated overrides, e.g. rollout.recipe=fp8_w8a8_kv or "
                         "rollout.weight_noise=0.05,rollout.stale_versions=1")

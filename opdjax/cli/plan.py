@@ -1,7 +1,7 @@
 """`opdjax bench` and `opdjax plan`: time the running engines, then predict what each admitted candidate buys.
 
     opdjax bench --budget budget.json --out bench.json CANDIDATE...     phase times of the baseline and each candidate
-    opdjax plan --budget budget.json --admission admit.json --bench bench.json    the table (`opdjax.admission.plan`)
+    opdjax plan --study budget.json --admission admit.json --bench bench.json     the table (`opdjax.admission.plan`)
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ def _read(path: str, what: str, key: str) -> list:
 
 
 def _cmd_plan(args) -> int:
-    load_budget(args.budget)  # the one reader's checks first
-    points = json.loads(pathlib.Path(args.budget).read_text()).get("points") or []
+    points = _read(args.study, "study file", "points")  # B itself is not needed: an UNRESOLVED study plans too
     admitted = [r for r in _read(args.admission, "admission report", "candidates")
                 if args.all or r.get("verdict") == "ADMIT"]
     try:
@@ -80,7 +79,8 @@ def add_plan_commands(subparsers) -> None:
     b.add_argument("candidates", nargs="*", metavar="CANDIDATE", help="comma-separated overrides, as for admit")
     b.set_defaults(func=guard(_cmd_bench))
     p = subparsers.add_parser("plan", help="predicted time-to-quality of admitted candidates on your hardware")
-    p.add_argument("--budget", required=True, help="budget.json of the study (its points carry steps-to-quality)")
+    p.add_argument("--study", required=True, help="a study's budget.json whose points carry each seed's "
+                                                  "steps-to-quality (the candidates' own budget is admit's)")
     p.add_argument("--admission", required=True, help="`opdjax admit --out` report")
     p.add_argument("--bench", required=True, help="`opdjax bench --out` report (the baseline and the candidates)")
     p.add_argument("--fraction", default="0.9", choices=[f"{f:g}" for f in FRACTIONS],

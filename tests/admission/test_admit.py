@@ -125,6 +125,22 @@ def test_admit_decides_against_the_budgets_interval_and_reports_it(tmp_path, mon
             load_budget(write_budget(tmp_path, budget=0.01, budget_interval=bad))
 
 
+def test_admit_says_what_training_sees_where_the_study_trained_the_candidates_kind(tmp_path, monkeypatch, capsys):
+    study = tmp_path / "study.json"
+    study.write_text(json.dumps({"points": [{"id": "staleness=1", "group": "sweep", "knob": "staleness", "value": 1,
+                                             "m_probe": 0.02, "m_train": 0.002}]}))
+    out = tmp_path / "report.json"
+    args = ["admit", "--budget", write_budget(tmp_path, budget=0.01), "--study", str(study), "--out", str(out),
+            "rollout.weight_noise=0.005,rollout.stale_versions=1", "rollout.stale_versions=1"]
+    run_cli(args, monkeypatch, FakeProbe())
+    rows = json.loads(out.read_text())["candidates"]
+    assert rows[0]["training"] == ""  # two knobs: no single study point speaks for it
+    assert "training sees about M x 0.1" in rows[1]["training"] and "staleness=1" in rows[1]["training"]
+    assert "the verdict stays on the probe's M" in capsys.readouterr().out
+    assert run_cli([*args[:4], str(tmp_path / "missing.json"), *args[5:]], monkeypatch, FakeProbe()) == 2
+    assert "study file" in capsys.readouterr().err
+
+
 def test_exit_code_is_zero_only_when_every_candidate_is_admitted():
     row = lambda v: records.AdmitRow("c", [], "k3", 0, 0, 0, 1, v, 0, 0)  # noqa: E731
     assert admit.exit_code([row("ADMIT"), row("ADMIT")]) == 0

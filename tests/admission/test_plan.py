@@ -71,7 +71,7 @@ def test_the_plan_command_reads_the_three_reports(tmp_path, capsys):
     (tmp_path / "bench.json").write_text(json.dumps({"rows": [
         {"candidate": "baseline", "generate": 0.6, "learner": 0.4, "step": 1.0, "steps": 6},
         {"candidate": "rollout.stale_versions=1", "generate": 0.6, "learner": 0.4, "step": 1.0, "steps": 6}]}))
-    args = ["plan", "--budget", str(budget), "--admission", str(tmp_path / "admit.json"), "--bench",
+    args = ["plan", "--study", str(budget), "--admission", str(tmp_path / "admit.json"), "--bench",
             str(tmp_path / "bench.json"), "--out", str(tmp_path / "plan.json")]
     assert main(args) == 0
     out = capsys.readouterr().out
