@@ -57,6 +57,9 @@ class PhaseTimes:
 
 @dataclasses.dataclass(frozen=True)
 class PlanRow:
+    """One candidate's plan: its verdict and M (admit), S with its interval and source, the mode its per-step cost
+    assumes, C, and F = S * C with S's interval carried through (C is a point estimate)."""
+
     candidate: str
     verdict: str
     m: float
