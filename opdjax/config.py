@@ -141,7 +141,8 @@ class RolloutConfig:
                                            "generation_config.json)")
     recipe: str | Recipe = field("none", choices=quant.RECIPES,
                                  help="simulated quantization of the engine: a quant.RECIPES preset or a recipe file "
-                                      "(.json/.yaml); with engine=vllm, translated to vLLM's FP8 settings")
+                                      "(.json/.yaml); with engine=vllm, translated to vLLM's FP8 settings (the "
+                                      "4-bit W4A16 presets run on the JAX engine only)")
     weight_noise: float = field(0.0, help="the engine copy's weight-noise knob sigma; its kind is noise_mode")
     noise_mode: str = field("fixed", choices=NOISE_MODES,
                             help="fixed: relative Gaussian weight noise, one draw; per_version: redrawn at every "
@@ -183,7 +184,7 @@ class RolloutConfig:
             key = str(e).removeprefix("rollout.").split("=")[0].split(" ")[0]
             raise ConfigError(f"{e}{about(_field('rollout', key))}") from None
         if self.engine == "vllm":
-            try:  # before any vLLM starts: FP8 weights need a bf16/fp16 model in vLLM
+            try:  # before any vLLM starts: FP8 weights need a bf16/fp16 model; 4-bit weights are refused
                 engine_dtype(self.dtype, mismatch.recipe)
             except VllmSettingsError as e:
                 raise ConfigError(str(e)) from None

@@ -1,4 +1,4 @@
-"""A bytes-moved model of one batched decode step, BF16 vs an FP8 recipe, at the batch that equal memory allows.
+"""A bytes-moved model of one batched decode step, BF16 vs a recipe (FP8, 4-bit), at the batch that equal memory allows.
 
 A model, not a measurement: decode at the batch sizes that fill a device is memory-bound, so one step costs about
 the bytes it must read (every weight once, every cached K/V of the batch once) divided by the memory bandwidth.

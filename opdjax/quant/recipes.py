@@ -18,10 +18,12 @@ import yaml
 from opdjax.core.layout import DECODER_LINEAR_PATTERNS, FUSED_GROUPS, HIGH_PRECISION_PATTERNS, LAYER, MODULES
 from opdjax.quant.formats import (
     AMAX_EPS,
+    FORMATS,
     KV_GRANULARITIES,
     RecipeError,
     check_block,
     check_granularity,
+    check_scale_fmt,
     get_format,
     dequantize,
     qdq,
@@ -36,21 +38,24 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class QSpec:
-    """How one kind of tensor is quantized: format, granularity and (for "block") the block shape."""
+    """How one kind of tensor is quantized: format, granularity, (for "block") the block shape, and the scale rule
+    (`scale_fmt`: "f32", or for e2m1 blocks "e8m0" = MXFP4 / "e4m3" = NVFP4; see `opdjax.quant.formats`)."""
 
     fmt: str = "e4m3"
     granularity: str = "tensor"
     block: tuple[int, int] = (128, 128)
+    scale_fmt: str = "f32"
 
     def __post_init__(self):
         get_format(self.fmt)
         check_granularity(self.granularity)
+        check_scale_fmt(self.fmt, self.granularity, self.scale_fmt)
         object.__setattr__(self, "block", check_block(self.block))
 
     @classmethod
     def from_dict(cls, d: Any, *, where: str = "spec") -> "QSpec | None":
         """A spec from YAML: None / "none" -> None (high precision), "e4m3" -> QSpec("e4m3"), or a mapping with keys
-        fmt, granularity, block."""
+        fmt, granularity, block, scale_fmt."""
         if d is None or (isinstance(d, str) and d.lower() in ("none", "null", "bf16", "fp32", "high")):
             return None
         if isinstance(d, QSpec):
@@ -78,10 +83,12 @@ class QSpec:
         d: dict[str, Any] = {"fmt": self.fmt, "granularity": self.granularity}
         if self.granularity == "block":
             d["block"] = list(self.block)
+        if self.scale_fmt != "f32":
+            d["scale_fmt"] = self.scale_fmt
         return d
 
 
-_QSPEC_KEYS = ("fmt", "granularity", "block")
+_QSPEC_KEYS = ("fmt", "granularity", "block", "scale_fmt")
 _RECIPE_KEYS = ("name", "base", "weights", "activations", "kv_cache", "kv_scale", "kv_scales", "fused_scales")
 
 
@@ -142,6 +149,9 @@ class Recipe:
             v = getattr(self, field)
             if v is not None and not isinstance(v, QSpec):
                 raise RecipeError(f"recipe {self.name!r}: {field} must be a QSpec or None, got {v!r}")
+            if v is not None and FORMATS[v.fmt].bits < 8:
+                raise RecipeError(f"recipe {self.name!r}: {field} format {v.fmt!r} is a 4-bit weight format; opdjax "
+                                  f"simulates 4-bit weights only (W4A16): use e4m3, e5m2, int8 or null for {field}")
         if self.kv_cache is not None and self.kv_cache.granularity not in KV_GRANULARITIES:
             raise RecipeError(f"recipe {self.name!r}: kv_cache granularity {self.kv_cache.granularity!r} not "
                               f"supported; valid: {list(KV_GRANULARITIES)}")
@@ -179,8 +189,8 @@ class Recipe:
         kv_cache, kv_scale, kv_scales.
 
         weights is a list of [pattern, spec] pairs or a mapping pattern -> spec (order kept); a spec is null
-        (high precision), a format name ("e4m3") or a mapping {fmt, granularity, block}. Unknown keys, formats and
-        granularities raise RecipeError naming the valid ones.
+        (high precision), a format name ("e4m3") or a mapping {fmt, granularity, block, scale_fmt}. Unknown keys,
+        formats, granularities and scale formats raise RecipeError naming the valid ones.
         """
         if not isinstance(d, Mapping):
             raise RecipeError(f"a recipe must be a mapping with keys {list(_RECIPE_KEYS)}, got {d!r}")
@@ -249,6 +259,15 @@ _E4M3_T = QSpec("e4m3", "tensor")
 _E4M3_CH = QSpec("e4m3", "channel")
 _E4M3_TOK = QSpec("e4m3", "token")
 
+# 4-bit weight-only (W4A16) presets; kernels are [in, out], so a block (n, 1) is n consecutive INPUT features of one
+# output channel — the K-axis groups of the checkpoints: MXFP4 (OCP Microscaling: e2m1 values, one power-of-two
+# e8m0 scale per 32), NVFP4 (e2m1, one e4m3 scale per 16 times a float32 tensor scale), and INT4 per-group-128 as
+# GPTQ / AWQ / compressed-tensors W4A16 checkpoints store it. Real INT4 checkpoints are often asymmetric (a zero
+# point per group); this simulates the symmetric variant (q in [-7, 7], scale = amax / 7, float32).
+_MXFP4 = QSpec("e2m1", "block", (32, 1), "e8m0")
+_NVFP4 = QSpec("e2m1", "block", (16, 1), "e4m3")
+_INT4_G128 = QSpec("int4", "block", (128, 1))
+
 # vLLM `quantization="fp8"` (online dynamic FP8): every decoder Linear's weight to e4m3 with one per-tensor scale;
 # activations dynamically quantized to e4m3 per token (what vLLM's FP8 GEMM does on Hopper/Ada, the GPUs that run
 # W8A8; the docs' generic description is a dynamic per-tensor activation scale — see "fp8_w8a8_tensor").
@@ -267,6 +286,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     _linear_recipe("fp8_kv_only", None, None, _E4M3_TOK, 1.0),             # kv_cache_dtype="fp8" alone
     _linear_recipe("e5m2_w8a8", QSpec("e5m2", "tensor"), QSpec("e5m2", "token")),
     _linear_recipe("int8_w8a8", QSpec("int8", "channel"), QSpec("int8", "token")),  # vLLM INT8 W8A8 (dynamic)
+    _linear_recipe("mxfp4_w4a16", _MXFP4),                                 # checkpoint-only in vLLM (mxfp4)
+    _linear_recipe("nvfp4_w4a16", _NVFP4),                                 # checkpoint-only (ModelOpt NVFP4)
+    _linear_recipe("int4_w4a16_g128", _INT4_G128),                         # checkpoint-only (GPTQ/AWQ/c-t)
 )}
 
 
@@ -319,8 +341,8 @@ def as_recipe(spec: "str | pathlib.Path | Mapping[str, Any] | Recipe | None") ->
 
 def qdq_kwargs(spec: QSpec) -> dict[str, Any]:
     """The keyword arguments `qdq(x, spec.fmt, spec.granularity, **qdq_kwargs(spec))` takes for a weight of the
-    opdjax layout (kernel [in, out]: channels on the last axis)."""
-    return {"block": spec.block, "channel_axis": -1}
+    opdjax layout (kernel [in, out]: channels on the last axis, a block (32, 1) runs along the input axis)."""
+    return {"block": spec.block, "channel_axis": -1, "scale_fmt": spec.scale_fmt}
 
 
 def fused_shards(name: str) -> tuple[str, ...]:

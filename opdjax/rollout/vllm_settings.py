@@ -13,8 +13,9 @@ from opdjax import quant
 from opdjax.core.errors import InputError
 from opdjax.core import layout
 
-__all__ = ["ACTIVATION_SCHEMES", "HardwareError", "VllmSettingsError", "cpu_flags", "engine_dtype",
-           "fp8_kv_cache_unsupported_reason", "quantizes_weights", "served_activations", "vllm_settings"]
+__all__ = ["ACTIVATION_SCHEMES", "FOUR_BIT_CHECKPOINTS", "HardwareError", "VllmSettingsError", "check_not_four_bit",
+           "cpu_flags", "engine_dtype", "fp8_kv_cache_unsupported_reason", "quantizes_weights", "served_activations",
+           "vllm_settings"]
 
 
 class VllmSettingsError(quant.RecipeError):
@@ -62,9 +63,36 @@ def quantizes_weights(recipe: quant.Recipe) -> bool:
     return any(spec is not None for _, spec in recipe.weights)
 
 
+FOUR_BIT_CHECKPOINTS = {
+    "e8m0": 'an MXFP4 checkpoint (quantization="mxfp4")',
+    "e4m3": "an NVFP4 checkpoint (ModelOpt or compressed-tensors nvfp4)",
+    "int4": "a W4A16 compressed-tensors / GPTQ / AWQ checkpoint",
+    "f32": "a pre-quantized 4-bit checkpoint",
+}
+"""The checkpoint vLLM would need to serve a 4-bit weight spec, by scale rule (MXFP4, NVFP4) or format (int4)."""
+
+
+def check_not_four_bit(recipe: quant.Recipe) -> None:
+    """VllmSettingsError in one line when `recipe` quantizes a weight to a 4-bit format: vLLM serves 4-bit weights
+    only from pre-quantized checkpoints (never by online quantization of a BF16 model), and opdjax's weight bridge
+    ships BF16/FP8 tensors, so there is nothing to hand vLLM until a bridge ships packed 4-bit weights and scales."""
+    for _, spec in recipe.weights:
+        if spec is not None and quant.FORMATS[spec.fmt].bits < 8:
+            need = FOUR_BIT_CHECKPOINTS["int4" if spec.fmt == "int4" else spec.scale_fmt]
+            per = f"block {spec.block}" if spec.granularity == "block" else spec.granularity
+            raise VllmSettingsError(
+                f"recipe {recipe.name!r} quantizes weights to 4 bits ({spec.fmt}, {spec.scale_fmt} scales per {per}): "
+                f"vLLM serves that only from {need}, never by online quantization of a BF16 "
+                "model, and opdjax's weight bridge ships BF16/FP8 tensors; a bridge would have to ship packed 4-bit "
+                "weights with their block scales in that layout before opdjax can serve it on vLLM. Use "
+                "rollout.engine=jax, which simulates it")
+
+
 def engine_dtype(dtype: str | None, recipe: quant.Recipe, *, where: str = "rollout.dtype") -> str:
     """The vLLM model dtype for `recipe`: "auto"/None -> bfloat16 when the recipe quantizes weights (the only dtypes
-    vLLM's online FP8 accepts), else float32; an explicit float32 with FP8 weights is refused in one line."""
+    vLLM's online FP8 accepts), else float32; an explicit float32 with FP8 weights is refused in one line, and so is
+    a 4-bit weight recipe at any dtype (`check_not_four_bit`)."""
+    check_not_four_bit(recipe)
     if dtype in (None, "auto"):
         return "bfloat16" if quantizes_weights(recipe) else "float32"
     if quantizes_weights(recipe) and str(dtype) not in VLLM_FP8_DTYPES:
@@ -130,9 +158,10 @@ def vllm_settings(mcfg, recipe: quant.Recipe, *, activations: str | None = None)
 
     activations: the scheme the target engine uses ("token" | "tensor"); a recipe asking for the other one is
     refused (None: any — the caller sets the scheme, as the CPU emulation `vllm_fp8_cpu` does). Raises
-    VllmSettingsError for anything vLLM would serve differently: a split fused layer, a spec other than e4m3
-    per-tensor weights, weight-only FP8, or a KV-cache scale vLLM cannot take.
+    VllmSettingsError for anything vLLM would serve differently: 4-bit weights (checkpoint-only in vLLM), a split
+    fused layer, a spec other than e4m3 per-tensor weights, weight-only FP8, or a KV-cache scale vLLM cannot take.
     """
+    check_not_four_bit(recipe)
     mods = layout.linear_modules(mcfg)
     kept = [m for m in mods if quant.module_spec(recipe, m) is None]
     for m in mods:

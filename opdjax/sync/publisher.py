@@ -71,6 +71,9 @@ def hf_stream(cfg: ModelConfig, params: nnx.State | Mapping[str, Any], *, dtype:
         if spec is None:
             yield name, (x.T if (t == "T" and not in_hf_layout) else x), {}
             continue
+        if quant.FORMATS[spec.fmt].bits < 8:
+            raise BridgeError(f"publish: recipe {rec.name!r} quantizes {name} to 4 bits ({spec.fmt}); the bridge "
+                              "ships BF16/FP8 tensors only, never packed 4-bit weights (the JAX engine simulates them)")
         x_io = x.T if (t == "T" and in_hf_layout) else x  # quantizers work on opdjax's [in, out]
         shared = quant.shared_scale(rec, name, lambda n: _cast(_gathered(get(n)), dt), memo)  # a fused layer's one
         q, s = quant.quantize(x_io, spec.fmt, spec.granularity, block=spec.block, scale=shared)

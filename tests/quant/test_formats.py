@@ -113,7 +113,7 @@ def test_no_nan_or_inf_for_large_inputs_and_zeros_any_format_and_granularity(dty
     x = x.at[0].set(0.0).at[:, 3].set(0.0).at[5, 5].set(1e6).astype(dtype)
     combos = [(fmt, gran, kw) for fmt in Q.FORMATS for gran, kw in ALL_GRANS]
 
-    @jax.jit  # one compile for all 15 combinations
+    @jax.jit  # one compile for all the combinations
     def run(x):
         return ([Q.qdq(x, f, g, **kw) for f, g, kw in combos],
                 [Q.qdq(jnp.zeros((4, 8), dtype), f, g, **kw) for f, g, kw in combos])
@@ -123,7 +123,8 @@ def test_no_nan_or_inf_for_large_inputs_and_zeros_any_format_and_granularity(dty
         assert y.dtype == dtype and y.shape == x.shape
         assert bool(jnp.all(jnp.isfinite(y))), (fmt, gran, kw)
         assert bool(jnp.all(y[0] == 0)) and bool(jnp.all(z == 0)), (fmt, gran, kw)
-        assert rel_err(y.astype(jnp.float32), x.astype(jnp.float32)) < 0.15, (fmt, gran, kw)
+        bound = 0.15 if Q.FORMATS[fmt].bits == 8 else 0.35  # 4-bit formats: 15 levels, per-tensor ~0.2 on N(0, 1)
+        assert rel_err(y.astype(jnp.float32), x.astype(jnp.float32)) < bound, (fmt, gran, kw)
 
 
 def test_fixed_scale_saturates_instead_of_nan():
@@ -149,7 +150,8 @@ def test_bf16_input_returns_bf16_close_to_input(normal_256):
     for fmt in Q.FORMATS:
         y = Q.qdq(x, fmt, "token")
         assert y.dtype == jnp.bfloat16
-        assert rel_err(y.astype(jnp.float32), x.astype(jnp.float32)) < (0.15 if fmt == "e5m2" else 0.07)
+        bound = {"e5m2": 0.15, "e2m1": 0.2, "int4": 0.2}.get(fmt, 0.07)  # 4-bit per token on N(0, 1): ~0.11-0.13
+        assert rel_err(y.astype(jnp.float32), x.astype(jnp.float32)) < bound, fmt
 
 
 def test_e5m2_coarser_than_e4m3_but_works(normal_256):

@@ -3,29 +3,17 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from flax import nnx
 
 from opdjax import quant
 from opdjax.core import mismatch
 from opdjax.core.logprobs import token_logprobs
 from opdjax.models import decoder, hf
-from opdjax.models.tiny import tiny_config
 from opdjax.rollout import SamplingParams
 from opdjax.rollout import EngineMismatch, JaxEngine
 
 
-@pytest.fixture(scope="module")
-def model():
-    cfg = tiny_config("qwen3", "small", vocab_size=128)
-    m = decoder.create(cfg, seed=0)
-    # Scale the random init up so the model's next-token distributions are peaked, like a trained model's.
-    state = jax.tree.map(lambda a: a * 4.0 if a.ndim == 2 else a, nnx.state(m))
-    return cfg, nnx.split(m)[0], state
-
-
-def test_default_fp8_recipe_changes_logits(model):
-    cfg, graphdef, state = model
+def test_default_fp8_recipe_changes_logits(peaked_model):
+    cfg, graphdef, state = peaked_model
     named = hf.named_params(cfg, state, hf_layout=False)
     q_state = hf.state_from_named(cfg, quant.apply_to_named(quant.FP8_DEFAULT, named), state, hf_layout=False)
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 16)))
@@ -35,8 +23,8 @@ def test_default_fp8_recipe_changes_logits(model):
     assert 1e-3 < diff < 0.5 * float(jnp.max(jnp.abs(ref)))
 
 
-def test_k3_grows_from_weights_only_to_w8a8_to_fp8_kv(model):
-    cfg, graphdef, state = model
+def test_k3_grows_from_weights_only_to_w8a8_to_fp8_kv(peaked_model):
+    cfg, graphdef, state = peaked_model
     prompts = [list(np.random.RandomState(i).randint(0, cfg.vocab_size, 6)) for i in range(64)]
     sampling = SamplingParams(max_new_tokens=16, temperature=1.0)
     logp_fn = jax.jit(lambda p, t, v: token_logprobs(decoder.forward(graphdef, p, t, valid_BT=v)[0], t)[0])
