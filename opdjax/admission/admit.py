@@ -116,7 +116,9 @@ def setup_source(budget: Budget, config: str | Mapping[str, Any] | None) -> str 
     return budget.train_config
 
 
-ProbeFn = Callable[..., Any]  # probe(cfg, budget, *, metric, risk, max_batches, seed, log) -> ProbeResult-like
+# probe(cfg, budget, *, metric, risk, max_batches, seed, log, budget_high) -> ProbeResult-like (budget, budget_high:
+# B's interval; `probe.probe_sequential`)
+ProbeFn = Callable[..., Any]
 
 
 def admit(candidates: Sequence[str], budget: Budget, *, config: str | Mapping[str, Any] | None = None,
