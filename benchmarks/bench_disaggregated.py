@@ -37,13 +37,13 @@ import time
 
 import numpy as np
 
+from opdjax.admission.plan import PHASES, phase_medians
 from opdjax.config import dump_yaml
 from opdjax.pipeline.inputs import resolve_models
 from opdjax.pipeline.quality import FRACTIONS, to_quality
 from opdjax.study.fit import mean_ci
 from opdjax.study.study_config import load_study
 
-PHASES = ("time/wait", "time/generate", "time/score", "time/train", "time/publish")
 MODES = {"sync": ["pipeline.mode=sync"],
          **{f"async{k}": ["pipeline.mode=async", f"pipeline.max_staleness={k}", f"pipeline.queue_size={k}"]
             for k in (1, 2, 4)}}
@@ -68,17 +68,6 @@ def _serve(role: str, cpus: str, cfg_file: pathlib.Path, token: pathlib.Path, mo
     return p, f"127.0.0.1:{json.loads(line)['port']}"
 
 
-def _phase_medians(metrics: pathlib.Path, skip: int = 3) -> dict[str, float]:
-    """Median seconds per step of each phase over the trained steps after the first `skip` (compilation), and of
-    the whole step: wait + score + train + publish (in sync mode `wait` holds `generate`; in async it is the time
-    the learner waited for the worker, which samples on the rollout cpus meanwhile)."""
-    rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
-    rows = rows[skip:] or rows  # a run too short to skip compilation (the warm-up) keeps every step
-    med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in PHASES}
-    med["step"] = statistics.median(sum(r.get(k, 0.0) for k in PHASES if k != "time/generate") for r in rows)
-    return med
-
-
 def _run(args, seed: int, mode: str, cfg_file: pathlib.Path, urls: dict, token, models, log, extra=()) -> dict:
     """One `opdjax train` pinned to the learner cpus; its record (curve, phases, drops, wall seconds)."""
     out = args.work / f"{mode}_s{seed}"
@@ -92,7 +81,7 @@ def _run(args, seed: int, mode: str, cfg_file: pathlib.Path, urls: dict, token, 
     summary = json.loads((out / "summary.json").read_text())
     rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     return {"mode": mode, "seed": seed, "wall_s": time.time() - t0, "eval_curve": summary["eval_curve"],
-            "time": summary["time"], "phases": _phase_medians(out / "metrics.jsonl"),
+            "time": summary["time"], "phases": phase_medians(rows, skip=3),
             "dropped": rows[-1].get("dropped", 0), "staleness_mean": statistics.mean(r["staleness"] for r in rows)}
 
 

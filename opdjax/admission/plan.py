@@ -37,10 +37,11 @@ from opdjax.admission.admit import candidate_config, candidate_overrides, matchi
 from opdjax.admission.budget import AdmissionError
 from opdjax.pipeline.loop import train
 
-__all__ = ["PhaseTimes", "PlanRow", "bench", "format_plan", "phase_times", "plan", "step_cost", "steps_factor",
-           "steps_to_quality"]
+__all__ = ["PHASES", "PhaseTimes", "PlanRow", "bench", "format_plan", "phase_medians", "phase_times", "plan",
+           "step_cost", "steps_factor", "steps_to_quality"]
 
 LEARNER_PHASES = ("time/score", "time/train", "time/publish")
+PHASES = ("time/wait", "time/generate", *LEARNER_PHASES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,17 +73,29 @@ class PlanRow:
     ttq_factor_ci: tuple[float, float]
 
 
-def phase_times(metric_rows: Sequence[Mapping[str, Any]], candidate: str, skip: int = 2) -> PhaseTimes:
-    """Medians over the trained steps after the first `skip` (compilation) of metrics.jsonl rows."""
+def phase_medians(metric_rows: Sequence[Mapping[str, Any]], skip: int = 2) -> dict[str, float]:
+    """Median seconds per step over the trained steps of metrics.jsonl rows after the first `skip` (compilation;
+    a run too short keeps every step): each `time/<phase>` of PHASES, "learner" (score + train + publish) and "step"
+    (wait + score + train + publish: in sync mode `wait` holds `generate`, in async it is the time the learner
+    waited for the worker), each the median of its per-step value; "steps" counts the steps. {} without a step."""
     rows = [r for r in metric_rows if "loss" in r]
     rows = rows[skip:] or rows
     if not rows:
-        raise AdmissionError(f"bench {candidate!r}: the run logged no trained step")
+        return {}
     med = lambda f: float(statistics.median(f(r) for r in rows))  # noqa: E731
-    return PhaseTimes(candidate=candidate, generate=med(lambda r: r.get("time/generate", 0.0)),
-                      learner=med(lambda r: sum(r.get(k, 0.0) for k in LEARNER_PHASES)),
-                      step=med(lambda r: r.get("time/wait", 0.0) + sum(r.get(k, 0.0) for k in LEARNER_PHASES)),
-                      steps=len(rows))
+    out = {k: med(lambda r, k=k: r.get(k, 0.0)) for k in PHASES}
+    out["learner"] = med(lambda r: sum(r.get(k, 0.0) for k in LEARNER_PHASES))
+    out["step"] = med(lambda r: r.get("time/wait", 0.0) + sum(r.get(k, 0.0) for k in LEARNER_PHASES))
+    return {**out, "steps": len(rows)}
+
+
+def phase_times(metric_rows: Sequence[Mapping[str, Any]], candidate: str, skip: int = 2) -> PhaseTimes:
+    """`PhaseTimes` of metrics.jsonl rows (`phase_medians`); AdmissionError when the run logged no trained step."""
+    med = phase_medians(metric_rows, skip)
+    if not med:
+        raise AdmissionError(f"bench {candidate!r}: the run logged no trained step")
+    return PhaseTimes(candidate=candidate, generate=med["time/generate"], learner=med["learner"], step=med["step"],
+                      steps=med["steps"])
 
 
 def bench(candidates: Sequence[str], *, config: str | Mapping[str, Any] | None = None, overrides: Sequence[str] = (),
