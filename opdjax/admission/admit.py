@@ -33,13 +33,12 @@ registered in `quant.RECIPES` under its path, because `RolloutConfig.recipe` onl
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 from opdjax.admission import probe as probe_mod
 from opdjax.admission.budget import AdmissionError, Budget
 from opdjax.admission.records import AdmitRow
-from opdjax.admission.sequential import explain
+from opdjax.admission.sequential import explain, judge
 from opdjax.config import TrainConfig, load
 from opdjax.core.errors import ConfigError
 
@@ -52,12 +51,8 @@ VERDICTS = ("ADMIT", "REJECT", "UNCERTAIN")
 
 def verdict(ci_low: float, ci_high: float, budget: float, budget_high: float | None = None) -> str:
     """ADMIT if ci_high <= budget (B's lower end), REJECT if ci_low > budget_high (B's upper end; default
-    `budget`), UNCERTAIN otherwise (also for a NaN bound)."""
-    if ci_high <= budget:
-        return "ADMIT"
-    if ci_low > (budget if budget_high is None else budget_high):
-        return "REJECT"
-    return "UNCERTAIN"
+    `budget`), UNCERTAIN otherwise (also for a NaN bound): the sequential probe's `judge`, final."""
+    return judge(ci_low, ci_high, budget, budget_high) or "UNCERTAIN"
 
 
 _OPEN, _CLOSE = "{[(", "}])"
@@ -155,8 +150,8 @@ def admit(candidates: Sequence[str], budget: Budget, *, config: str | Mapping[st
                              tokens=int(r.tokens), metrics=dict(r.metrics), batches=int(r.batches), risk=risk,
                              reason=r.reason or explain(v, r.m, r.ci_low, r.ci_high, b_lo, r.batches,
                                                         max_batches, risk, b_hi),
-                             budget_interval=None if budget.interval is None else list(budget.interval)))
-        rows[-1] = dataclasses.replace(rows[-1], training=training_view(study_points, rows[-1]) or "")
+                             budget_interval=None if budget.interval is None else list(budget.interval),
+                             training=training_view(study_points, text, float(r.m)) or ""))
     return rows
 
 
@@ -171,35 +166,31 @@ def candidate_overrides(candidate: str) -> dict[str, str]:
 
 def matching_point(points: Sequence[Mapping[str, Any]], candidate: str) -> Mapping[str, Any] | None:
     """The study's sweep point (budget.json `points`) that trained the candidate's own knob — its only KNOBS
-    override, at the same value — or None."""
+    override, at the same value (numbers compared as numbers: "1" is 1.0) — or None."""
     knobs = {KNOBS[k]: v for k, v in candidate_overrides(candidate).items() if k in KNOBS}
     if len(knobs) != 1:
         return None
     (knob, value), = knobs.items()
-    for p in points:
-        if p.get("group") == "sweep" and p.get("knob") == knob and str(p.get("value")) in (value, str(
-                _number(value))):
-            return p
-    return None
+    return next((p for p in points if p.get("group") == "sweep" and p.get("knob") == knob
+                 and _same_value(p.get("value"), value)), None)
 
 
-def _number(text: str) -> Any:
+def _same_value(a: Any, b: Any) -> bool:
     try:
-        x = float(text)
-        return int(x) if x.is_integer() and "." not in text else x
-    except ValueError:
-        return text
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return str(a) == str(b)
 
 
-def training_view(points: Sequence[Mapping[str, Any]], row: AdmitRow) -> str | None:
-    """One line: the M training would see, when the study trained the candidate's knob: M * m_train / m_probe of
+def training_view(points: Sequence[Mapping[str, Any]], candidate: str, m: float) -> str | None:
+    """One line: the M training would see, when the study trained the candidate's knob: m * m_train / m_probe of
     that point (the probe measures the untrained student, and for staleness the step right after warm-up, the
     run's largest). None when the study has no such point or either M is missing."""
-    p = matching_point(points, row.candidate)
+    p = matching_point(points, candidate)
     if p is None or not p.get("m_probe") or p.get("m_train") is None:
         return None
     r = float(p["m_train"]) / float(p["m_probe"])
-    return (f"training sees about M x {r:.3g} = {row.m * r:.3e} (the study's point {p['id']}: probe M "
+    return (f"training sees about M x {r:.3g} = {m * r:.3e} (the study's point {p['id']}: probe M "
             f"{p['m_probe']:.3e}, training M {p['m_train']:.3e}); the verdict stays on the probe's M")
 
 
