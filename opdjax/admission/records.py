@@ -19,9 +19,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from opdjax.admission.budget import AdmissionError
 from opdjax.pipeline.rundir import write_text
 
-__all__ = ["AdmitRow", "ProbeResult", "Record", "json_default", "write_json"]
+__all__ = ["AdmitRow", "ProbeResult", "Record", "json_default", "read_list", "write_json"]
 
 
 def json_default(x: Any) -> Any:
@@ -38,6 +39,24 @@ def write_json(path: str | pathlib.Path, obj: Any) -> None:
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, json.dumps(obj, indent=2, default=json_default) + "\n")
+
+
+def read_list(path: str | pathlib.Path, what: str, key: str, *, required: bool = True) -> list:
+    """The list under `key` of the JSON report at `path` (a study's budget.json `points`, `admit --out`'s
+    `candidates`, `bench --out`'s `rows`). AdmissionError naming `what` and the file when it cannot be read as
+    JSON, or (`required`) when `key` is missing or not a list; not `required`: [] then."""
+    p = pathlib.Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise AdmissionError(f"{what} {p}: cannot read it as JSON ({type(e).__name__}: {e})") from None
+    rows = d.get(key) if isinstance(d, dict) else None
+    if isinstance(rows, list):
+        return rows
+    if not required:
+        return []
+    found = f"got {type(rows).__name__}" if rows is not None else "found none"
+    raise AdmissionError(f"{what} {p}: expected a list under {key!r}, {found}")
 
 
 class Record:

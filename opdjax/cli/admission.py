@@ -19,7 +19,7 @@ from opdjax.admission.budget import (
     setup_fingerprint,
 )
 from opdjax.admission.probe import DEFAULT_MAX_BATCHES, calibrate_kv
-from opdjax.admission.records import write_json
+from opdjax.admission.records import read_list, write_json
 from opdjax.admission.search import (
     BY_CHOICES,
     capacity_report,
@@ -64,7 +64,7 @@ def _cmd_admit(args) -> int:
     budget = load_budget(args.budget)
     source = _budget_setup(budget, args.config)
     _warn_if_other_setup(budget, candidate_config(source, args.set or []))
-    points = _study_points(args.study or args.budget)
+    points = read_list(args.study or args.budget, "study file", "points", required=False)
     rows = admit(args.candidates, budget, config=source, overrides=args.set or [], risk=args.risk,
                  max_batches=args.max_batches, seed=args.seed, study_points=points)
     print(format_admit_table(rows, budget))
@@ -75,18 +75,6 @@ def _cmd_admit(args) -> int:
                        "candidates": [r.to_dict() for r in rows]})
         print(f"wrote {p}")
     return exit_code(rows)
-
-
-def _study_points(path: str) -> list:
-    """The `points` of a study's budget.json ([] when it has none); AdmissionError for a missing or broken file."""
-    p = pathlib.Path(path)
-    try:
-        d = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise AdmissionError(f"study file {p}: cannot read it as a study's budget.json ({type(e).__name__}: "
-                             f"{e})") from None
-    points = d.get("points") if isinstance(d, dict) else None
-    return points if isinstance(points, list) else []
 
 
 def _kv_scales_arg(args, cfg) -> tuple | None:

@@ -7,14 +7,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import pathlib
 import platform
 
 from opdjax.admission.budget import AdmissionError, load_budget
 from opdjax.admission.admit import setup_source
 from opdjax.admission.plan import PhaseTimes, bench, format_plan, plan
-from opdjax.admission.records import write_json
+from opdjax.admission.records import read_list, write_json
 from opdjax.cli.common import KEYS_HINT, guard
 from opdjax.pipeline.quality import FRACTIONS
 
@@ -36,24 +34,12 @@ def _cmd_bench(args) -> int:
     return 0
 
 
-def _read(path: str, what: str, key: str) -> list:
-    p = pathlib.Path(path)
-    try:
-        d = json.loads(p.read_text())
-        rows = d[key]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise AdmissionError(f"{what} {p}: not a report with {key!r} ({type(e).__name__}: {e})") from None
-    if not isinstance(rows, list):
-        raise AdmissionError(f"{what} {p}: {key!r} must be a list, got {type(rows).__name__}")
-    return rows
-
-
 def _cmd_plan(args) -> int:
-    points = _read(args.study, "study file", "points")  # B itself is not needed: an UNRESOLVED study plans too
-    admitted = [r for r in _read(args.admission, "admission report", "candidates")
+    points = read_list(args.study, "study file", "points")  # B itself is not needed: an UNRESOLVED study plans too
+    admitted = [r for r in read_list(args.admission, "admission report", "candidates")
                 if args.all or r.get("verdict") == "ADMIT"]
     try:
-        times = [PhaseTimes(**r) for r in _read(args.bench, "bench report", "rows")]
+        times = [PhaseTimes(**r) for r in read_list(args.bench, "bench report", "rows")]
     except TypeError as e:
         raise AdmissionError(f"bench report {args.bench}: a row is not `opdjax bench` output ({e})") from None
     if not admitted:

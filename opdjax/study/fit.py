@@ -187,7 +187,7 @@ def aggregate(point: Point, recs: Sequence[Mapping], baseline: Mapping[str, floa
 def _steps_to_quality(r) -> dict[str, Any]:
     """{"steps_to_quality": {fraction: step or None (not reached)}, "train_steps"} of a record's reverse-KL
     `to_quality` (against the study's baseline); {} for a record without one (written before the training clock)."""
-    tq = (getattr(r, "to_quality", None) or {}).get("eval/reverse_kl")
+    tq = (r.to_quality or {}).get("eval/reverse_kl")
     if not tq or "thresholds" not in tq:
         return {}
     return {"steps_to_quality": {f: t["step"] for f, t in tq["thresholds"].items()}, "train_steps": int(r.steps)}
