@@ -44,7 +44,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 from opdjax.admission import admit  # noqa: E402
 from opdjax.admission.budget import load_budget  # noqa: E402
 from opdjax.config import to_dict  # noqa: E402
-from opdjax.study import fit, report  # noqa: E402
+from opdjax.study import dose, fit, report  # noqa: E402
 from opdjax.study import study as study_mod  # noqa: E402
 from opdjax.study.records import Point, noise_point  # noqa: E402
 from opdjax.study.study_config import load_study  # noqa: E402
@@ -89,11 +89,11 @@ def candidate_point(text: str) -> Point:
 
 
 def timed_admit(budget_path: str, candidates: list[str], risk: float, max_batches: int | None,
-                cache: pathlib.Path, out: pathlib.Path) -> tuple[float, list[dict]]:
+                cache: pathlib.Path, out: pathlib.Path, seed: int = 0) -> tuple[float, list[dict]]:
     """`opdjax admit` in a fresh process with the compilation cache at `cache`: (wall seconds, its rows). It probes
     on the setup the budget recorded (the study's baseline train config), as a user's `opdjax admit` does."""
     cmd = [sys.executable, "-c", "import sys; from opdjax.cli import main; sys.exit(main())", "admit",
-           "--budget", budget_path, "--risk", str(risk), "--out", str(out)]
+           "--budget", budget_path, "--risk", str(risk), "--out", str(out), "--seed", str(seed)]
     cmd += ["--max-batches", str(max_batches)] if max_batches else []
     t0 = time.time()
     rc = subprocess.run(cmd + candidates, env={**os.environ, "OPDJAX_JAX_CACHE": str(cache)}).returncode
@@ -112,6 +112,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=None,
                     help="seeds per full run (default: the study's); more than the study's adds seeds after its "
                          "largest, narrowing each verdict's CI (the study's own runs are reused)")
+    ap.add_argument("--truth-seeds", default=None,
+                    help="seeds of the full runs, disjoint from the study's (e.g. 100-103): each candidate's truth "
+                         "then shares no seed, and no noise direction, with any study point")
+    ap.add_argument("--probe-seed", type=int, default=0, help="the probe's seed (as `opdjax admit --seed`)")
+    ap.add_argument("--out", default=None, help="folder for validity.json (default: the budget's)")
     ap.add_argument("candidates", nargs="*", default=None)
     args = ap.parse_args(argv)
     log = lambda m: print(m, flush=True)  # noqa: E731
@@ -128,17 +133,18 @@ def main(argv=None) -> int:
     for c, p in zip(candidates, points):
         if _resolved(study, p.overrides) in fitted:
             raise SystemExit(f"candidate {c} is a point of the study; validity needs configurations not used to fit")
-    seeds = truth_seeds(study.seeds, args.seeds)
+    seeds = disjoint_seeds(args.truth_seeds, study) if args.truth_seeds else truth_seeds(study.seeds, args.seeds)
     if len(seeds) < 4:
         log(f"warning: {len(seeds)} seeds per full run; full-run verdicts from fewer than 4 are coin flips")
 
     # 1. The probe verdicts, exactly as `opdjax admit --budget ... CANDIDATES` computes them: cold, then warm.
-    out = pathlib.Path(args.budget).parent
+    out = pathlib.Path(args.out or pathlib.Path(args.budget).parent)
+    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         cold, _ = timed_admit(args.budget, candidates, args.risk, args.max_batches, pathlib.Path(tmp) / "jax",
-                              pathlib.Path(tmp) / "cold.json")
+                              pathlib.Path(tmp) / "cold.json", args.probe_seed)
         warm, admit_rows = timed_admit(args.budget, candidates, args.risk, args.max_batches,
-                                       pathlib.Path(tmp) / "jax", pathlib.Path(tmp) / "warm.json")
+                                       pathlib.Path(tmp) / "jax", pathlib.Path(tmp) / "warm.json", args.probe_seed)
     log(f"admit: {cold:.1f} s cold, {warm:.1f} s warm for {len(candidates)} candidates")
     # 2. The full-run verdicts: as the study trains its points, on its seeds (and more with --seeds).
     rows = []
@@ -159,7 +165,8 @@ def main(argv=None) -> int:
                      "m_train": fit.finite_mean(r.m_train_k3 for r in recs),
                      "should_admit": runs == "admit",
                      "agree": None if runs == "borderline" else (a["verdict"] == "ADMIT") == (runs == "admit"),
-                     "seeds_straddle_delta": fit.straddles(losses, bj["delta"])})
+                     "seeds_straddle_delta": fit.straddles(losses, bj["delta"]), "kind": kind_of(c),
+                     **harshness(bj, a["m"], q, ci, study.quality)})
 
     decided = [r for r in rows if r["runs_verdict"] != "borderline"]
     point_s = [p["seconds"] for p in bj["points"]]
@@ -178,16 +185,68 @@ def main(argv=None) -> int:
            "max_probe_seconds": max(r["probe_seconds"] for r in rows),
            "mean_study_point_seconds": mean_point, "probe_cost_ratio": warm / len(candidates) / mean_point,
            "probe_cost_ratio_cold": cold / len(candidates) / mean_point,
-           **m_coverage(rows, bj["budget"])}
+           "probe_seed": args.probe_seed, "truth_seeds_disjoint": bool(args.truth_seeds),
+           **trivial_scores(decided), **m_coverage(rows, bj["budget"])}
     (out / "validity.json").write_text(json.dumps(rep, indent=2) + "\n")
     bj["validity"] = rep
     (out / "summary.md").write_text(report.summary_markdown(bj))
     print()
     print(report.validity_markdown(rep))
+    print(f"always ADMIT scores {rep['always_admit']}/{len(decided)}, always REJECT {rep['always_reject']}/"
+          f"{len(decided)} on the same decided candidates")
+    for r in rows:
+        print(f"  {r['kind']:12s} {r['candidate']:55s} M {r['m']:.3g}  q_loss {r['q_loss']:+.2f} "
+              f"[{r['q_loss_ci'][0]:+.2f}, {r['q_loss_ci'][1]:+.2f}]  harshness {r['harshness']:.3g} "
+              f"[{r['harshness_ci'][0]:.3g}, {r['harshness_ci'][1]:.3g}]")
     print(f"{len(rep['below_b_over_3'])} candidate(s) probe at <= B/3, {len(rep['above_3b'])} at >= 3 B "
           f"(largest M {rep['max_m']:.3g} = {rep['max_m'] / bj['budget']:.2f} B)")
     print(f"wrote {out / 'validity.json'}; {out / 'summary.md'} now has the table")
     return 0
+
+
+KINDS = (("stale_versions", "staleness"), ("weight_noise", "noise"), ("w4a16", "4-bit"), ("recipe", "recipe"))
+
+
+def kind_of(candidate: str) -> str:
+    """The candidate's kind of mismatch: "combination" when it sets two knobs, else its knob's kind; a
+    weight-noise candidate with a noise_mode is "noise:<mode>"."""
+    parts = [p.split("=", 1) for p in admit.split_candidate(candidate)]
+    kinds = {next((k for key, k in KINDS if key in f"{name}={value}"), name) for name, value in parts
+             if not name.endswith("noise_mode")}
+    mode = next((v for n, v in parts if n.endswith("noise_mode")), None)
+    if len(kinds) > 1:
+        return "combination"
+    return next(iter(kinds)) + (f":{mode}" if mode else "")
+
+
+def harshness(bj: dict, m: float, q: float, ci, quality: str) -> dict:
+    """How much harm this candidate does per unit of M against the calibration knob: h = M_eq / M, where M_eq is
+    the calibration knob's M at which the study's hinge fit predicts the candidate's observed loss q
+    (`dose.budget_from_fit` with delta = q; q <= 0 gives the knee). h > 1: harsher than the knob B was fitted on
+    (its budget should be B / h); its interval from q's CI (the candidate's and the baseline's seeds)."""
+    f = bj["bracket"].get("fit")
+    if not f or not m > 0:
+        return {"harshness": float("nan"), "harshness_ci": [float("nan")] * 2}
+    eq = lambda qq: dose.budget_from_fit(f, quality, max(float(qq), 0.0)) / m  # noqa: E731
+    return {"harshness": eq(q), "harshness_ci": [eq(ci[0]), eq(ci[1])]}
+
+
+def trivial_scores(decided: list[dict]) -> dict:
+    """What the do-nothing rules score on the same decided candidates: always ADMIT is right where the runs
+    admit, always REJECT where they reject."""
+    return {"always_admit": sum(r["runs_verdict"] == "admit" for r in decided),
+            "always_reject": sum(r["runs_verdict"] == "reject" for r in decided)}
+
+
+def disjoint_seeds(text: str, study) -> list[int]:
+    """Seeds "a-b" or "a,b,c", refused when any is a seed of the study (its levels' or its baseline's)."""
+    seeds = (list(range(int(text.split("-")[0]), int(text.split("-")[1]) + 1)) if "-" in text
+             else [int(x) for x in text.split(",")])
+    used = set(study.seeds) | set(study.baseline_seeds or ())
+    if used & set(seeds):
+        raise SystemExit(f"--truth-seeds {text}: seeds {sorted(used & set(seeds))} are the study's; truth runs "
+                         f"need seeds it did not use (its seeds: {sorted(used)})")
+    return seeds
 
 
 def m_coverage(rows: list[dict], budget: float) -> dict:

@@ -24,7 +24,7 @@ from opdjax.study.dose import CI_LEVEL, QUALITIES, runs_verdict
 from opdjax.study.records import Point, RunResult
 
 __all__ = ["CI_LEVEL", "FITS", "QUALITIES", "aggregate", "baseline_stats", "budget_interval", "finite_mean",
-           "fit_budget", "hinge_fit", "knee_bracket", "mean_ci", "monotone_q_loss", "point_effect", "quality_losses",
+           "fit_budget", "hinge_fit", "hinge_runs", "knee_bracket", "mean_ci", "monotone_q_loss", "point_effect", "quality_losses",
            "runs_verdict", "straddles"]
 
 FITS = ("hinge", "isotonic", "first_failure")
@@ -235,6 +235,16 @@ def budget_interval(rows: Sequence[Mapping[str, Any]], quality: str, delta: floa
     return float(lo), float(hi)
 
 
+def hinge_runs(rows: Sequence[Mapping[str, Any]], quality: str) -> tuple[list[float], list[Any], list[str]]:
+    """(m_R, value_R, group_R) of every run of the sweep rows with a probed M: the run's probe M, its final
+    reverse KL or accuracy (`quality`), and its group (the point's id; "baseline" for the baseline)."""
+    key = _key(quality)
+    runs = [(s["m_probe"], s[key], "baseline" if r["knob"] == "baseline" else r["id"])
+            for r in rows for s in r["seeds"] if s.get("m_probe") is not None]
+    m_R, v_R, g_R = (list(c) for c in zip(*runs)) if runs else ([], [], [])
+    return m_R, v_R, g_R
+
+
 def hinge_fit(rows: Sequence[Mapping[str, Any]], quality: str, delta: float, factor: float, *, n: int = 1000,
               seed: int = 0) -> tuple[float, list[float], dict[str, Any]]:
     """Fit "hinge": B and its 95% interval from `dose.budget_bootstrap` over every run of the sweep rows (x = the
@@ -242,17 +252,14 @@ def hinge_fit(rows: Sequence[Mapping[str, Any]], quality: str, delta: float, fac
     bracket: the measured M just within (<= B) and just beyond B, and `resolved` iff B is finite, no larger than the
     largest M measured (a knee found, not extrapolated), and the interval spans at most `factor` (hi / lo).
     Returns (B, [lo, hi], bracket)."""
-    key = _key(quality)
-    runs = [(s["m_probe"], s[key], "baseline" if r["knob"] == "baseline" else r["id"])
-            for r in rows for s in r["seeds"] if s.get("m_probe") is not None]
-    m_R, v_R, g_R = (list(c) for c in zip(*runs)) if runs else ([], [], [])
+    m_R, v_R, g_R = hinge_runs(rows, quality)
     try:
         boot = dose.budget_bootstrap(m_R, dose.run_scores(v_R, quality), g_R, quality, delta, n=n, seed=seed)
     except ValueError as e:  # too few runs or levels to fit: no budget, and the study says why
         return 0.0, [0.0, 0.0], {"within": None, "beyond": None, "ratio": math.inf, "factor": float(factor),
                                  "resolved": False, "method": "hinge", "why": f"no hinge fit: {e}"}
     b, (lo, hi) = boot["budget"], boot["ci"]
-    ms = sorted({float(m) for m, _, g in runs if g != "baseline"})
+    ms = sorted({float(m) for m, g in zip(m_R, g_R) if g != "baseline"})
     within = max((m for m in ms if m <= b), default=None)
     beyond = min((m for m in ms if m > b), default=None)
     span = boot["span"]

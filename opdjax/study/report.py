@@ -371,6 +371,9 @@ def _validity_with_ci(rep: Mapping[str, Any], current_budget: float | None) -> s
           f"study point ({len(rep.get('study_seeds', rep['seeds']))} seeds, probe + training): "
           f"**{100 * rep['probe_cost_ratio_cold']:.1f}% "
           f"cold, {100 * rep['probe_cost_ratio']:.1f}% warm** (target < 5%)."]
+    if "always_admit" in rep:
+        L += ["", f"The do-nothing rules on the same {nd} decided candidates: always ADMIT "
+              f"{rep['always_admit']}/{nd}, always REJECT {rep['always_reject']}/{nd}."]
     if "max_m" in rep:
         L += ["", f"Range: {len(rep['below_b_over_3'])} candidates probe at ≤ B/3, {len(rep['above_3b'])} at ≥ 3·B; "
               f"the largest M is {rep['max_m']:.3g} ({rep['max_m'] / rep['budget']:.2f}·B)."]
