@@ -24,7 +24,6 @@ import math
 import pathlib
 import shutil
 import sys
-import time
 
 import numpy as np
 
@@ -36,7 +35,6 @@ from opdjax.study.study import run_study
 from opdjax.study.study_config import load_study
 
 CONFIG = "configs/budget_sort_cpu.yaml"
-COMMON = ("seeds=[0,1,2]", "baseline_seeds=[0,1,2,3,4,5,6,7]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,25 +45,37 @@ class Variant:
     family: str = "qwen3"
     size: str = "small"
     levels: tuple = (0.5, 1.0, 2.0, 3.0)
+    seeds: int = 3            # per level (0..seeds-1)
+    baseline_seeds: int = 8   # 0..baseline_seeds-1
+    staleness: tuple = ()     # staleness levels trained as a second kind of mismatch (its own B per kind)
 
     @property
     def name(self) -> str:
         return f"sort{self.length}_{self.family}" + ("" if self.size == "small" else f"_{self.size}")
 
     def overrides(self) -> list[str]:
-        return [*COMMON, f"base.task.options.length={self.length}",
+        return [f"seeds={list(range(self.seeds))}", f"baseline_seeds={list(range(self.baseline_seeds))}",
+                f"base.task.options.length={self.length}",
                 f"base.rollout.max_new_tokens={2 * self.length + 4 + self.length // 4}",
                 f"base.prepare.family={self.family}", f"base.prepare.teacher_size={self.size}",
-                f"weight_noise=[0,{','.join(map(str, self.levels))}]"]
+                f"weight_noise=[0,{','.join(map(str, self.levels))}]", f"staleness={list(self.staleness)}"]
 
 
 # Levels bracket the knee each variant was expected to have (B falls with length; llama's sits ~5x below qwen3's
 # at sort-8 in the committed studies). Order = the order `run` takes them in (most informative first).
-VARIANTS = [Variant(16, levels=(0.25, 0.5, 1.0, 2.0)), Variant(4, levels=(0.5, 1.0, 2.0, 4.0)),
+# sort-16 with 3 seeds per level and 8 baseline seeds left B's interval at x5.9 (its baseline's final reverse KL
+# spans 0.001-0.3): it has 16 + 5 per level, a level inside the first bracket, and staleness 2/4/8 (which probe
+# at 0.7-4.6 there, around B) as a second kind with its own fit.
+VARIANTS = [Variant(16, levels=(0.25, 0.5, 0.7, 1.0, 2.0), seeds=5, baseline_seeds=16, staleness=(2, 4, 8)),
+            Variant(4, levels=(0.5, 1.0, 2.0, 4.0)),
             Variant(32, levels=(0.125, 0.25, 0.5, 1.0)), Variant(8),
             Variant(8, size="tiny"), Variant(16, "llama", levels=(0.125, 0.25, 0.5, 1.0)),
             Variant(4, "llama", levels=(0.25, 0.5, 1.0, 2.0)), Variant(8, "llama", levels=(0.25, 0.5, 1.0, 2.0)),
             Variant(8, size="base"), Variant(32, "llama", levels=(0.0625, 0.125, 0.25, 0.5))]
+
+# Variants measured by a full-size study of their own instead (its 32 + 4x8 seeds; the levels are the committed
+# instrument's): `run --root` finds it at ADOPTED[name] and only probes the candidates.
+ADOPTED = {"sort8_qwen3": "runs/budget_sort_cpu_replicate"}
 
 CANDIDATES = ["", "rollout.recipe=fp8_w8a8", "rollout.recipe=fp8_w8a8_kv", "rollout.recipe=int8_w8a8",
               "rollout.recipe=mxfp4_w4a16", "rollout.recipe=nvfp4_w4a16", "rollout.recipe=int4_w4a16_g128",
@@ -95,18 +105,22 @@ def run_variant(v: Variant, root: pathlib.Path, out: pathlib.Path) -> None:
     if (dest / "candidates.json").is_file():
         print(f"{v.name}: done already ({dest})")
         return
-    study = load_study(CONFIG, [*v.overrides(), f"out_dir={root / v.name}"])
-    t0 = time.time()
-    run_study(study)
-    minutes = (time.time() - t0) / 60
-    src = root / v.name
+    src = pathlib.Path(ADOPTED[v.name]) if v.name in ADOPTED else root / v.name
+    if v.name not in ADOPTED:
+        run_study(load_study(CONFIG, [*v.overrides(), f"out_dir={src}"]))
+    finish_variant(v, src, dest)
+
+
+def finish_variant(v: Variant, src: pathlib.Path, dest: pathlib.Path) -> None:
+    """Probe the candidates on the study's recorded setup and copy its files and candidates.json to dest."""
     budget = json.loads((src / "budget.json").read_text())  # read whole: an UNRESOLVED B still has its setup
     cands = probe_candidates(budget["config"]["base_train_config"])
     dest.mkdir(parents=True, exist_ok=True)
     for f in ("budget.json", "points.csv", "summary.md", "study_config.yaml", "budget.png"):
         if (src / f).is_file():
             shutil.copy(src / f, dest / f)
-    (dest / "candidates.json").write_text(json.dumps({"variant": dataclasses.asdict(v), "overrides": v.overrides(),
+    minutes = budget["timing"]["compute_seconds"] / 60
+    (dest / "candidates.json").write_text(json.dumps({"variant": dataclasses.asdict(v), "study": str(src),
                                                       "study_minutes": minutes, "candidates": cands}, indent=1))
 
 
@@ -194,7 +208,8 @@ def _plain(o):
 
 def variants_table(vs: list[dict]) -> str:
     """Markdown: one row per variant (B, its interval, status, L, params, baseline, minutes)."""
-    lines = ["| variant | L (tokens) | params | B [95%] | status | baseline RKL | runs' minutes |", "|---|---|---|---|---|---|---|"]
+    lines = ["| variant | L (tokens) | params | B [95%] | status | baseline RKL | runs' minutes |",
+             "|---|---|---|---|---|---|---|"]
     for v in vs:
         lo, hi = v["interval"]
         b = v["baseline_rkl"]

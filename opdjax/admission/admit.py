@@ -42,7 +42,8 @@ from opdjax.admission.sequential import explain, judge
 from opdjax.config import TrainConfig, load
 from opdjax.core.errors import ConfigError
 
-__all__ = ["KNOBS", "VERDICTS", "verdict", "split_candidate", "candidate_config", "candidate_overrides", "setup_source",
+__all__ = ["KNOBS", "VERDICTS", "verdict", "split_candidate", "candidate_config", "candidate_knobs",
+           "candidate_overrides", "setup_source",
            "admit", "exit_code", "format_admit_table", "matching_point", "training_view"]
 
 
@@ -138,25 +139,37 @@ def admit(candidates: Sequence[str], budget: Budget, *, config: str | Mapping[st
     parsed = [(c, split_candidate(c)) for c in candidates]
     source = setup_source(budget, config)
     cfgs = [candidate_config(source, overrides, parts) for _, parts in parsed]
-    b_lo, b_hi = budget.interval or (budget.budget, budget.budget)
     rows = []
     for (text, parts), cfg in zip(parsed, cfgs):
         log(f"probing {text} ...")
+        which, b, b_lo, b_hi = budget.for_kind(candidate_knobs(parts))
         r = probe_fn(cfg, b_lo, metric=budget.metric, risk=risk, max_batches=max_batches, seed=seed,
                      log=lambda s: None, budget_high=b_hi)
         v = verdict(r.ci_low, r.ci_high, b_lo, b_hi)
         rows.append(AdmitRow(candidate=text, overrides=parts, metric=r.metric, m=float(r.m), ci_low=float(r.ci_low),
-                             ci_high=float(r.ci_high), budget=budget.budget, verdict=v, seconds=float(r.seconds),
+                             ci_high=float(r.ci_high), budget=b, verdict=v, seconds=float(r.seconds),
                              tokens=int(r.tokens), metrics=dict(r.metrics), batches=int(r.batches), risk=risk,
                              reason=r.reason or explain(v, r.m, r.ci_low, r.ci_high, b_lo, r.batches,
                                                         max_batches, risk, b_hi),
-                             budget_interval=None if budget.interval is None else list(budget.interval),
-                             training=training_view(study_points, text, float(r.m)) or ""))
+                             budget_interval=None if budget.interval is None and not budget.kinds else [b_lo, b_hi],
+                             training=training_view(study_points, text, float(r.m)) or "", budget_kind=which))
     return rows
 
 
 # The study knob each candidate override key sets (`opdjax.study.records.Point.knob`).
 KNOBS = {"rollout.weight_noise": "weight_noise", "rollout.stale_versions": "staleness", "rollout.recipe": "recipe"}
+
+
+def candidate_knobs(parts: Sequence[str]) -> set[str]:
+    """The kinds of mismatch a candidate's overrides set, as study knob names (`KNOBS`): weight noise of another
+    `rollout.noise_mode` than the study's "fixed" is its own kind ("noise:<mode>"); any other key is a kind no
+    study trains ("other:<key>"), so `Budget.for_kind` judges it against the envelope."""
+    kv = dict(p.split("=", 1) for p in parts)
+    mode = kv.pop("rollout.noise_mode", "fixed").strip()
+    knobs = {KNOBS.get(k.strip(), f"other:{k.strip()}") for k in kv}
+    if mode != "fixed":
+        knobs = (knobs - {"weight_noise"}) | {f"noise:{mode}"}
+    return knobs
 
 
 def candidate_overrides(candidate: str) -> dict[str, str]:
@@ -215,6 +228,12 @@ def format_admit_table(rows: Sequence[AdmitRow], budget: Budget | None = None) -
                 f"below its lower end, REJECT beyond its upper end")
         lines.append(f"budget B = {budget.budget:.3e}{band} ({budget.metric}"
                      + (f", delta {budget.delta:g}" if budget.delta is not None else "") + ")")
-    lines += ["", "why:"] + [f"  {r.candidate}: {r.verdict}: {r.reason}" + (f"\n    {r.training}" if r.training else "")
-                             for r in rows] if rows else []
+        lines += [f"  B for {k} (its own study levels): {b:.3e} [{lo:.3e}, {hi:.3e}]"
+                  for k, (b, lo, hi) in budget.kinds.items()]
+        if budget.kinds:
+            lines.append("  a candidate of one fitted kind is judged against its kind's B; combinations and other "
+                         "kinds against the envelope (the B with the lowest lower end)")
+    kind = lambda r: f" (B of {r.budget_kind})" if budget is not None and budget.kinds else ""  # noqa: E731
+    lines += ["", "why:"] + [f"  {r.candidate}: {r.verdict}{kind(r)}: {r.reason}"
+                             + (f"\n    {r.training}" if r.training else "") for r in rows] if rows else []
     return "\n".join(lines)

@@ -36,6 +36,23 @@ class Budget:
     calibrated_on: Mapping[str, Any] | None = None  # `setup_fingerprint` of the study's setup, when recorded
     train_config: Mapping[str, Any] | None = None  # the study's baseline train config (every field), when recorded
     interval: tuple[float, float] | None = None  # B's interval (budget_interval), when recorded
+    # B per kind of mismatch the study trained at several levels (resolved ones only): knob -> (B, lo, hi)
+    kinds: Mapping[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
+
+    def for_kind(self, knobs: set[str]) -> tuple[str, float, float, float]:
+        """(which, B, lo, hi) a candidate setting `knobs` (study knob names) is judged against: its own kind's B
+        when it sets one knob the study fitted a B for; else the envelope, the B with the lowest lower end over
+        the calibration knob and every fitted kind (the harshest per unit of M measured) — for combinations and
+        kinds the study did not train. Without kinds: the calibration B ("weight_noise")."""
+        lo, hi = self.interval or (self.budget, self.budget)
+        own = {"weight_noise": (self.budget, lo, hi), **self.kinds}
+        if len(knobs) == 1 and next(iter(knobs)) in own:
+            k = next(iter(knobs))
+            return (k, *own[k])
+        if not self.kinds:
+            return ("weight_noise", *own["weight_noise"])
+        k = min(own, key=lambda name: own[name][1])
+        return (f"envelope ({k})", *own[k])
 
 
 def load_budget(path: str | pathlib.Path) -> Budget:
@@ -75,17 +92,36 @@ def load_budget(path: str | pathlib.Path) -> Budget:
         raise AdmissionError(f"budget file {p}: 'calibrated_on' must be an object (a setup fingerprint), got {on!r}")
     return Budget(metric=metric, budget=float(b), delta=None if delta is None else float(delta), path=str(p),
                   calibrated_on=on, train_config=_recorded_train_config(p, d),
-                  interval=_interval(p, float(b), d.get("budget_interval")))
+                  interval=_interval(p, float(b), d.get("budget_interval")), kinds=_kinds(p, d.get("kinds")))
 
 
-def _interval(p: pathlib.Path, b: float, iv: Any) -> tuple[float, float] | None:
-    """budget.json's `budget_interval` [lo, hi] (finite, lo <= B <= hi), or None when the file records none."""
+def _kinds(p: pathlib.Path, kinds: Any) -> dict[str, tuple[float, float, float]]:
+    """budget.json's `kinds` (the study's B per kind of mismatch): the RESOLVED ones as knob -> (B, lo, hi)."""
+    if kinds is None:
+        return {}
+    if not isinstance(kinds, dict) or not all(isinstance(v, dict) for v in kinds.values()):
+        raise AdmissionError(f"budget file {p}: 'kinds' must map each knob to an object with 'budget', "
+                             f"'budget_interval' and 'status', got {str(kinds)[:80]}")
+    out = {}
+    for knob, k in kinds.items():
+        if k.get("status") != "RESOLVED":
+            continue
+        b = k.get("budget")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b < 0:
+            raise AdmissionError(f"budget file {p}: kinds.{knob}.budget must be a finite number >= 0, got {b!r}")
+        lo, hi = _interval(p, float(b), k.get("budget_interval"), f"kinds.{knob}.budget_interval") or (b, b)
+        out[str(knob)] = (float(b), lo, hi)
+    return out
+
+
+def _interval(p: pathlib.Path, b: float, iv: Any, name: str = "budget_interval") -> tuple[float, float] | None:
+    """budget.json's `budget_interval` (or `name`) [lo, hi] (finite, lo <= B <= hi), or None when it has none."""
     if iv is None:
         return None
     ok = (isinstance(iv, (list, tuple)) and len(iv) == 2 and all(isinstance(x, (int, float)) and not isinstance(
         x, bool) and math.isfinite(x) for x in iv))
     if not ok or not iv[0] <= b <= iv[1]:
-        raise AdmissionError(f"budget file {p}: 'budget_interval' must be [low, high], finite numbers with low <= "
+        raise AdmissionError(f"budget file {p}: '{name}' must be [low, high], finite numbers with low <= "
                              f"budget ({b:.4g}) <= high, got {iv!r}")
     return float(iv[0]), float(iv[1])
 

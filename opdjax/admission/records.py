@@ -110,3 +110,4 @@ class AdmitRow(Record):
     reason: str = ""      # one line: why this verdict
     budget_interval: list | None = None  # B's interval [B_lo, B_hi] the verdict was decided against (None: point B)
     training: str = ""    # the M training would see, where the study trained this kind (`admit.training_view`)
+    budget_kind: str = "weight_noise"  # whose B judged it: its own kind's, or the envelope's (`Budget.for_kind`)

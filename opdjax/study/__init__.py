@@ -6,6 +6,8 @@
     phenomena      the paper's other phenomena: OPD versus RL under weight noise, prefix shift and corrections
     fit            per-point quality losses and the fit of B with its interval
     dose           dose-response statistics over single runs: effects with CIs, the hinge fit, B's bootstrap
+    scaling        across studies: power laws of B (and of a candidate's M) in response length or model size, with
+                   intervals from each study's bootstrap draws, and the length at which M reaches B
     report         points.csv, the budget plot, summary.md and the admission-validity table
     records        `Point` (one configuration) and `RunResult` (one (point, seed), the resume record)
 

@@ -283,7 +283,8 @@ def budget_bootstrap(m_R: Sequence[float], y_R: Sequence[float], group_R: Sequen
 
     Quantiles are taken of ln B (+inf kept as +inf), at (1 -+ level) / 2. Returns {"budget", "ci": [lo, hi],
     "fit", "n_boot", "unbounded_share" (share of resamples with B = inf), "span" (hi / lo; inf if lo == 0 or hi
-    inf), "log_draws" (the n resampled ln B, +inf where unbounded: what `scaling` refits across studies)}. Cost: one vectorised (K, R) fit per resample; n = 1000 on 72-96 runs took 0.3-0.45 s on one shared core.
+    inf), "log_draws" (the n resampled ln B, +inf where unbounded: what `scaling` refits across studies)}.
+    Cost: one vectorised (K, R) fit per resample; n = 1000 on 72-96 runs took 0.3-0.45 s on one shared core.
     """
     _check_quality(quality)
     x, y, g, base = _runs(m_R, y_R, group_R)

@@ -24,7 +24,8 @@ from opdjax.study.dose import CI_LEVEL, QUALITIES, runs_verdict
 from opdjax.study.records import Point, RunResult
 
 __all__ = ["CI_LEVEL", "FITS", "QUALITIES", "aggregate", "baseline_stats", "budget_interval", "finite_mean",
-           "fit_budget", "hinge_fit", "hinge_runs", "knee_bracket", "mean_ci", "monotone_q_loss", "point_effect", "quality_losses",
+           "fit_budget", "hinge_fit", "hinge_runs", "knee_bracket",
+           "mean_ci", "monotone_q_loss", "point_effect", "quality_losses",
            "runs_verdict", "straddles"]
 
 FITS = ("hinge", "isotonic", "first_failure")

@@ -132,7 +132,8 @@ def _budget_lines(result: Mapping[str, Any]) -> list[str]:
                 f"its runs pin down within a factor {br['factor']:g}, so no B is reported and `opdjax admit` refuses "
                 f"this file. Add levels around the fitted B ({_f(result['budget'], '.4g')}) or seeds.", ""]
     if br.get("method") == "hinge":
-        return [f"**Budget B = {result['budget']:.4g}** {what}; from a dose-response (hinge) fit over every run, "
+        return [f"**Budget B = {result['budget']:.4g}** {what}; from a dose-response (hinge) fit over every run "
+                f"of the baseline and the weight-noise levels (every run when there are none), "
                 f"95% interval over runs resampled within every point, the baseline's too [{iv[0]:.3g}, "
                 f"{iv[1]:.3g}] (x{br['ratio']:.2g} ≤ {br['factor']:g}); the runs' M nearest it {ends}.", ""]
     if not br["resolved"]:
@@ -150,7 +151,8 @@ def summary_markdown(result: Mapping[str, Any]) -> str:
     phenomenon that was measured ((a) RL vs OPD, (b) prefix shift, (b') corrections), admission validity and timing.
     """
     ph = result.get("phenomena", {})
-    L = [f"# Mismatch budget study ({result['created']})", "", *_budget_lines(result), *_method_lines(result),
+    L = [f"# Mismatch budget study ({result['created']})", "", *_budget_lines(result), *_kind_lines(result),
+         *_method_lines(result),
          *_calibrated_on_lines(result.get("calibrated_on")), "![quality vs mismatch](budget.png)", "",
          *_points_table(result["points"])]
     if "rl_vs_opd" in ph:
@@ -165,12 +167,27 @@ def summary_markdown(result: Mapping[str, Any]) -> str:
     return "\n".join(L) + "\n"
 
 
+def _kind_lines(result: Mapping[str, Any]) -> list[str]:
+    """One line per kind of mismatch the study fitted its own B for (`study.kind_budgets`)."""
+    kinds = result.get("kinds") or {}
+    if not kinds:
+        return []
+    items = [f"{k} (levels {', '.join(map(str, v['levels']))}): B = {v['budget']:.3g} [{v['budget_interval'][0]:.3g}, "
+             f"{v['budget_interval'][1]:.3g}], {v['status']}" + ("" if v["status"] == "RESOLVED" else f" ({v['why']})")
+             for k, v in kinds.items()]
+    return ["B per kind of mismatch, each fitted on the baseline and that kind's own levels (the headline B is the "
+            "weight-noise knob's; `opdjax admit` judges a candidate of a fitted kind against its kind's B, and "
+            "combinations and other kinds against the envelope, the B with the lowest lower end): "
+            + "; ".join(items) + ".", ""]
+
+
 def _method_lines(result: Mapping[str, Any]) -> list[str]:
     """How a point is judged (mean loss over seeds vs delta, isotonic or first-failure fit) and how the runs were made
     (loss, steps, lr, batch, task), with the noise-free baseline's held-out reverse KL and accuracy."""
     s, b = result["config"]["study"], result["baseline"]
     base_cfg = result["config"]["base_train_config"]
-    fits = {"hinge": "B comes from a dose-response fit over every run: its score (ln of reverse KL + 0.1, or minus "
+    fits = {"hinge": "B comes from a dose-response fit over every run of the calibration knob (the baseline and "
+                     "the weight-noise levels): its score (ln of reverse KL + 0.1, or minus "
                      "accuracy) = a + b·max(0, ln M − k), least squares; B is the M where the fit has risen delta "
                      "above its plateau, and its 95% interval refits runs resampled within every point, the "
                      "baseline's too. A point is within tolerance iff its M ≤ B.",

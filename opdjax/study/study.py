@@ -414,7 +414,7 @@ def _fit_rows(study: StudyConfig, rows: list[dict[str, Any]]) -> tuple[float, di
         r["runs_verdict"] = runs_verdict(r["q_loss_ci"], study.delta)
     pts = [{"m": r["m_probe"], "q_loss": r["q_loss"]} for r in rows]
     if study.fit == "hinge":
-        budget, interval, bracket = hinge_fit(rows, study.quality, study.delta, study.knee.factor)
+        budget, interval, bracket = hinge_fit(calibration_rows(rows), study.quality, study.delta, study.knee.factor)
         within = [bool(r["m_probe"] is not None and r["m_probe"] <= budget) for r in rows]
     else:
         budget, within = fit_budget(pts, study.delta, study.fit)
@@ -427,6 +427,30 @@ def _fit_rows(study: StudyConfig, rows: list[dict[str, Any]]) -> tuple[float, di
     return budget, bracket, interval
 
 
+def calibration_rows(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The rows B is fitted on: the baseline and the weight-noise levels when the sweep has two or more (the
+    calibration knob; other kinds get their own fit in `kind_budgets`), else every row."""
+    noise = [r for r in rows if r["knob"] == "weight_noise"]
+    return [r for r in rows if r["knob"] == "baseline"] + noise if len(noise) >= 2 else list(rows)
+
+
+def kind_budgets(study: StudyConfig, rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """B per kind of mismatch, for each knob other than weight noise that the sweep trained at >= 2 levels (e.g.
+    staleness 2, 4, 8): `hinge_fit` over the baseline and that knob's rows. {knob: {"budget", "budget_interval",
+    "status" (RESOLVED / UNRESOLVED, as the main B's bracket), "why", "levels"}}; a budget per kind lets `admit`
+    judge a candidate of that kind against the harm its own kind does per unit of M."""
+    base = [r for r in rows if r["knob"] == "baseline"]
+    out = {}
+    for knob in sorted({r["knob"] for r in rows} - {"baseline", "weight_noise"}):
+        mine = [r for r in rows if r["knob"] == knob]
+        if len(mine) < 2 or not base:
+            continue
+        b, iv, br = hinge_fit(base + mine, study.quality, study.delta, study.knee.factor)
+        out[knob] = {"budget": b, "budget_interval": iv, "status": "RESOLVED" if br["resolved"] else "UNRESOLVED",
+                     "why": br["why"], "levels": [r["value"] for r in mine]}
+    return out
+
+
 def _budget_json(study: StudyConfig, budget: float, bracket: Mapping[str, Any], interval: list[float],
                  baseline: Mapping[str, Any], rows: list[dict[str, Any]], phen: Mapping[str, Any],
                  runner: _PointRunner, t_start: float) -> dict[str, Any]:
@@ -436,7 +460,7 @@ def _budget_json(study: StudyConfig, budget: float, bracket: Mapping[str, Any], 
     return {
         "metric": study.metric, "budget": budget, "delta": study.delta,
         "status": "RESOLVED" if bracket["resolved"] else "UNRESOLVED", "bracket": bracket,
-        "budget_interval": interval,
+        "budget_interval": interval, "kinds": kind_budgets(study, rows) if study.fit == "hinge" else {},
         "quality": _quality_text(study.quality),
         "baseline": baseline, "points": rows, "phenomena": phen,
         "timing": {"compute_seconds": compute, "wall_seconds_this_invocation": time.time() - t_start,

@@ -507,3 +507,50 @@ def test_rollout_recipe_accepts_a_preset_a_file_or_a_recipe(tmp_path):
     assert cfg.validate().rollout.recipe is rec
     with pytest.raises(ConfigError, match="does not exist"):
         load(TrainConfig, None, [f"rollout.recipe={tmp_path / 'missing.yaml'}"])
+
+
+class StaleProbe(FakeProbe):
+    """M = weight noise sigma + 0.01 per version of staleness (+-10%): a kind the calibration knob does not cover."""
+
+    def __call__(self, cfg, budget=None, **kw):
+        m = cfg.rollout.weight_noise + 0.01 * cfg.rollout.stale_versions
+        return FakeResult("k3", m, 0.9 * m, 1.1 * m, {"k3": m})
+
+
+@pytest.mark.parametrize("stale_b,envelope", [((0.05, 0.04, 0.06), "envelope (weight_noise)"),
+                                              ((0.005, 0.004, 0.006), "envelope (staleness)")])
+def test_a_candidate_is_judged_against_its_own_kinds_budget_and_a_combination_against_the_envelope(
+        tmp_path, monkeypatch, stale_b, envelope):
+    b, lo, hi = stale_b
+    kinds = {"staleness": {"budget": b, "budget_interval": [lo, hi], "status": "RESOLVED"},
+             "recipe": {"budget": 1.0, "budget_interval": [0.1, 9.0], "status": "UNRESOLVED"}}
+    path = write_budget(tmp_path, budget=0.01, budget_interval=[0.008, 0.012], kinds=kinds)
+    assert load_budget(path).kinds == {"staleness": stale_b}  # an UNRESOLVED kind is no budget
+    out = tmp_path / "report.json"
+    cands = ["rollout.stale_versions=3", "rollout.weight_noise=0.005",
+             "rollout.weight_noise=0.005,rollout.stale_versions=1",
+             "rollout.weight_noise=0.005,rollout.noise_mode=per_version"]
+    run_cli(["admit", "--budget", path, "--out", str(out), *cands], monkeypatch, StaleProbe())
+    rows = json.loads(out.read_text())["candidates"]
+    assert [r["budget_kind"] for r in rows] == ["staleness", "weight_noise", envelope, envelope]
+    gentle = envelope.endswith("(weight_noise)")
+    # M 0.03: inside a gentler staleness budget, beyond a harsher one; M 0.015 (a combination): beyond either
+    assert [r["verdict"] for r in rows] == (["ADMIT", "ADMIT", "REJECT", "ADMIT"] if gentle else
+                                            ["REJECT", "ADMIT", "REJECT", "UNCERTAIN"])
+    assert rows[0]["budget_interval"] == [lo, hi]
+
+
+def test_candidate_knobs_names_each_kind_a_candidate_sets():
+    assert admit.candidate_knobs(["rollout.stale_versions=2"]) == {"staleness"}
+    assert admit.candidate_knobs(["rollout.recipe=fp8_w8a8", "rollout.stale_versions=1"]) == {"recipe", "staleness"}
+    assert admit.candidate_knobs(["rollout.weight_noise=0.1", "rollout.noise_mode=rounding"]) == {"noise:rounding"}
+    assert admit.candidate_knobs(["rollout.weight_noise=0.1", "rollout.noise_mode=fixed"]) == {"weight_noise"}
+    assert admit.candidate_knobs(["rollout.engine=vllm"]) == {"other:rollout.engine"}
+
+
+def test_a_malformed_kind_budget_is_refused_with_its_name(tmp_path):
+    with pytest.raises(AdmissionError, match="kinds.staleness.budget_interval"):
+        load_budget(write_budget(tmp_path, kinds={"staleness": {"budget": 0.05, "budget_interval": [0.06, 0.07],
+                                                                "status": "RESOLVED"}}))
+    with pytest.raises(AdmissionError, match="'kinds' must map each knob"):
+        load_budget(write_budget(tmp_path, kinds=[1, 2]))

@@ -471,3 +471,35 @@ def test_phenomena_effect_is_the_studys_effect_with_a_ci_over_both_groups():
                                                                            "ci": [pytest.approx(1.0)] * 2}
     acc = phenomena.effect([0.5, 0.7], [0.8, 0.8], "accuracy")  # the drop: 0.8 - 0.6
     assert acc["effect"] == pytest.approx(0.2) and acc["ci"][0] == pytest.approx(0.1) and acc["ci"][1] == pytest.approx(0.3)
+
+
+def _kind_rows(seed=0):
+    """Aggregated sweep rows: a baseline (12 seeds, M 1e-12), weight noise with its knee at M 0.5 (slope 1.5 in
+    ln M beyond it) and staleness that harms 5x less per unit of M (knee at M 2.5), 6 seeds per level."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    def row(knob, value, m, knee, n):
+        rkl = np.exp(np.log(0.1) + 1.5 * max(0.0, math.log(m / knee)) + rng.normal(0, 0.1, n))
+        return {"id": "baseline" if knob == "baseline" else f"{knob}={value}", "knob": knob, "value": value,
+                "m_probe": m, "seeds": [{"m_probe": m * math.exp(rng.normal(0, 0.05)), "reverse_kl": float(r)}
+                                        for r in rkl]}
+    rows = [row("baseline", 0, 1e-12, 1.0, 12)]
+    rows += [row("weight_noise", s, m, 0.5, 6) for s, m in ((0.25, 0.2), (0.5, 0.6), (1.0, 1.8), (2.0, 5.4))]
+    rows += [row("staleness", k, m, 2.5, 6) for k, m in ((2, 0.7), (4, 2.0), (8, 4.6), (16, 12.0))]
+    return rows
+
+
+def test_b_is_fitted_on_the_calibration_knob_and_every_other_kind_gets_its_own():
+    rows = _kind_rows()
+    cal = study_mod.calibration_rows(rows)
+    assert {r["knob"] for r in cal} == {"baseline", "weight_noise"}
+    study = study_config.load_study(None, ["delta=2.0", "quality=reverse_kl", "fit=hinge"])
+    b, iv, br = fit.hinge_fit(cal, "reverse_kl", 2.0, study.knee.factor)
+    kinds = study_mod.kind_budgets(study, rows)
+    assert set(kinds) == {"staleness"} and kinds["staleness"]["levels"] == [2, 4, 8, 16]
+    bs = kinds["staleness"]["budget"]
+    # closed form: the score ln(RKL + 0.1) rises ln 3 above ln 0.2 where RKL = 0.5 = 0.1 (M / knee)^1.5
+    assert b == pytest.approx(0.5 * 5 ** (1 / 1.5), rel=0.2) and bs == pytest.approx(2.5 * 5 ** (1 / 1.5), rel=0.2)
+    assert kinds["staleness"]["status"] == "RESOLVED" and iv[1] < kinds["staleness"]["budget_interval"][0]
+    assert study_mod.calibration_rows(rows[:1] + rows[5:]) == rows[:1] + rows[5:]  # no noise levels: every row
