@@ -11,7 +11,7 @@ own recorded setup with the study's fixed probe (`admission.probe.probe`, 4 batc
 points.csv, summary.md and candidates.json to `<out>/<variant>/`. Variants already done are skipped.
 
 `report` reads those folders and fits, over the length variants of each family, ln B = c - a ln L (L = mean
-response tokens of the clean probe), with an interval from the studies' own bootstrap draws of B (one draw per
+tokens of the task's reference answers + EOS: the responses a converged run produces), with an interval from the studies' own bootstrap draws of B (one draw per
 variant per replicate, refitted); the same log-log line for each realistic candidate's M; and where the lines cross.
 """
 
@@ -29,7 +29,9 @@ import numpy as np
 
 from opdjax.admission import probe as probe_mod
 from opdjax.admission.admit import candidate_config, split_candidate
-from opdjax.models.tiny import tiny_config
+from opdjax.data import tasks
+from opdjax.models.tiny import load_tokenizer, tiny_config
+from opdjax.pipeline.prepare import prepare_builtin
 from opdjax.study import scaling
 from opdjax.study.study import run_study
 from opdjax.study.study_config import load_study
@@ -99,6 +101,17 @@ def probe_candidates(train_config: dict, candidates=CANDIDATES, *, batches: int 
     return out
 
 
+def answer_tokens(train_config: dict, n: int = 256) -> float:
+    """Mean tokens of the task's reference answers + EOS (as SFT and a converged student produce them) on the
+    prepared pair's tokenizer: the response length L a variant trains at. (The probe's own rollouts are the
+    untrained student's, shorter on the long tasks: it has forgotten the task.)"""
+    cfg = candidate_config(train_config, [])
+    paths = prepare_builtin(cfg, log=lambda s: None)
+    tok = load_tokenizer(paths["teacher"])
+    exs = tasks.get_task(cfg.task.name, **cfg.task.options).examples(n, 0, "heldout")
+    return float(np.mean([len(tok(ex.answer or "", add_special_tokens=False).input_ids) + 1 for ex in exs]))
+
+
 def run_variant(v: Variant, root: pathlib.Path, out: pathlib.Path) -> None:
     """The variant's study (reusing finished runs under root), its candidates' M, and the copies under out."""
     dest = out / v.name
@@ -120,7 +133,9 @@ def finish_variant(v: Variant, src: pathlib.Path, dest: pathlib.Path) -> None:
         if (src / f).is_file():
             shutil.copy(src / f, dest / f)
     minutes = budget["timing"]["compute_seconds"] / 60
+    length = answer_tokens(budget["config"]["base_train_config"])
     (dest / "candidates.json").write_text(json.dumps({"variant": dataclasses.asdict(v), "study": str(src),
+                                                      "answer_tokens": length,
                                                       "study_minutes": minutes, "candidates": cands}, indent=1))
 
 
@@ -150,11 +165,13 @@ def load_variant(folder: pathlib.Path) -> dict:
     v = cands["variant"]
     draws = scaling.study_log_draws(budget)
     clean = next(c for c in cands["candidates"] if c["candidate"] == "clean")
-    return {"name": folder.name, **v, "L": clean["tokens_per_response"], "B": budget["budget"],
+    length = cands.get("answer_tokens") or answer_tokens(budget["config"]["base_train_config"])
+    return {"name": folder.name, **v, "L": length, "L_probe": clean["tokens_per_response"], "B": budget["budget"],
             "interval": budget["budget_interval"], "status": budget["status"], "why": budget["bracket"]["why"],
             "draws": draws, "fit_ok": budget["status"] == "RESOLVED" and bool(np.isfinite(draws).all()),
             "params": tiny_config(v["family"], v["size"]).num_params(), "baseline_rkl": budget["baseline"],
-            "minutes": cands["study_minutes"], "candidates": cands["candidates"]}
+            "minutes": cands["study_minutes"], "candidates": cands["candidates"],
+            "runs": sum(len(p["seeds"]) for p in budget["points"])}
 
 
 def candidate_law(vs: list[dict], key: str, name: str) -> dict | None:
@@ -208,14 +225,15 @@ def _plain(o):
 
 def variants_table(vs: list[dict]) -> str:
     """Markdown: one row per variant (B, its interval, status, L, params, baseline, minutes)."""
-    lines = ["| variant | L (tokens) | params | B [95%] | status | baseline RKL | runs' minutes |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| variant | L (tokens) | probe's L | params | B [95%] | status | baseline RKL | step k3 | runs | "
+             "runs' minutes |", "|---|---|---|---|---|---|---|---|---|---|"]
     for v in vs:
         lo, hi = v["interval"]
         b = v["baseline_rkl"]
-        lines.append(f"| {v['name']} | {v['L']:.1f} | {v['params'] / 1e6:.2f}M | {v['B']:.3g} [{lo:.3g}, {hi:.3g}] "
-                     f"| {v['status']} | {b['initial_reverse_kl']:.3g} → {b['reverse_kl']:.3g} "
-                     f"| {v['minutes']:.0f} |")
+        step = float(np.median([x for x in b.get("policy_step_k3_median_seeds", []) if x is not None] or [math.nan]))
+        lines.append(f"| {v['name']} | {v['L']:.1f} | {v['L_probe']:.1f} | {v['params'] / 1e6:.2f}M | {v['B']:.3g} [{lo:.3g}, {hi:.3g}] "
+                     f"| {v['status']} | {b['initial_reverse_kl']:.3g} → {b['reverse_kl']:.3g} | {step:.2g} "
+                     f"| {v['runs']} | {v['minutes']:.0f} |")
     names = [c["candidate"] for c in vs[0]["candidates"]] if vs else []
     lines += ["", "| candidate | " + " | ".join(v["name"] for v in vs) + " |", "|---" * (len(vs) + 1) + "|"]
     for n in names:
