@@ -33,6 +33,7 @@ registered in `quant.RECIPES` under its path, because `RolloutConfig.recipe` onl
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 from opdjax.admission import probe as probe_mod
@@ -151,7 +152,8 @@ def admit(candidates: Sequence[str], budget: Budget, *, config: str | Mapping[st
                              tokens=int(r.tokens), metrics=dict(r.metrics), batches=int(r.batches), risk=risk,
                              reason=r.reason or explain(v, r.m, r.ci_low, r.ci_high, b_lo, r.batches,
                                                         max_batches, risk, b_hi),
-                             budget_interval=None if budget.interval is None and not budget.kinds else [b_lo, b_hi],
+                             budget_interval=None if budget.interval is None and not budget.kinds else
+                             [b_lo, b_hi if math.isfinite(b_hi) else None],
                              training=training_view(study_points, text, float(r.m)) or "", budget_kind=which))
     return rows
 
@@ -228,7 +230,8 @@ def format_admit_table(rows: Sequence[AdmitRow], budget: Budget | None = None) -
                 f"below its lower end, REJECT beyond its upper end")
         lines.append(f"budget B = {budget.budget:.3e}{band} ({budget.metric}"
                      + (f", delta {budget.delta:g}" if budget.delta is not None else "") + ")")
-        lines += [f"  B for {k} (its own study levels): {b:.3e} [{lo:.3e}, {hi:.3e}]"
+        lines += [f"  B for {k} (its own study levels): {b:.3e} [{lo:.3e}, {hi:.3e}]" if math.isfinite(hi) else
+                  f"  {k}: no knee within its study levels, harmless up to M {b:.3e} (ADMIT below it, never REJECT)"
                   for k, (b, lo, hi) in budget.kinds.items()]
         if budget.kinds:
             lines.append("  a candidate of one fitted kind is judged against its kind's B; combinations and other "

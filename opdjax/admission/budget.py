@@ -36,22 +36,24 @@ class Budget:
     calibrated_on: Mapping[str, Any] | None = None  # `setup_fingerprint` of the study's setup, when recorded
     train_config: Mapping[str, Any] | None = None  # the study's baseline train config (every field), when recorded
     interval: tuple[float, float] | None = None  # B's interval (budget_interval), when recorded
-    # B per kind of mismatch the study trained at several levels (resolved ones only): knob -> (B, lo, hi)
+    # B per kind of mismatch the study trained at several levels (resolved ones): knob -> (B, lo, hi); a kind
+    # without a knee that was harmless up to M (NO_KNEE): (M, M, inf), so it can be ADMITted below M, never REJECTed
     kinds: Mapping[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
 
     def for_kind(self, knobs: set[str]) -> tuple[str, float, float, float]:
         """(which, B, lo, hi) a candidate setting `knobs` (study knob names) is judged against: its own kind's B
         when it sets one knob the study fitted a B for; else the envelope, the B with the lowest lower end over
-        the calibration knob and every fitted kind (the harshest per unit of M measured) — for combinations and
-        kinds the study did not train. Without kinds: the calibration B ("weight_noise")."""
+        the calibration knob and every kind with a knee (the harshest per unit of M measured) — for combinations
+        and kinds the study did not train. Without kinds: the calibration B ("weight_noise")."""
         lo, hi = self.interval or (self.budget, self.budget)
         own = {"weight_noise": (self.budget, lo, hi), **self.kinds}
         if len(knobs) == 1 and next(iter(knobs)) in own:
             k = next(iter(knobs))
             return (k, *own[k])
-        if not self.kinds:
+        knees = [name for name in own if math.isfinite(own[name][2])]  # a kind without a knee bounds nothing
+        if not self.kinds or len(knees) == 1:
             return ("weight_noise", *own["weight_noise"])
-        k = min(own, key=lambda name: own[name][1])
+        k = min(knees, key=lambda name: own[name][1])
         return (f"envelope ({k})", *own[k])
 
 
@@ -96,7 +98,8 @@ def load_budget(path: str | pathlib.Path) -> Budget:
 
 
 def _kinds(p: pathlib.Path, kinds: Any) -> dict[str, tuple[float, float, float]]:
-    """budget.json's `kinds` (the study's B per kind of mismatch): the RESOLVED ones as knob -> (B, lo, hi)."""
+    """budget.json's `kinds` (the study's B per kind of mismatch): the RESOLVED ones as knob -> (B, lo, hi), the
+    NO_KNEE ones as knob -> (harmless_up_to, harmless_up_to, inf); UNRESOLVED ones are no budget."""
     if kinds is None:
         return {}
     if not isinstance(kinds, dict) or not all(isinstance(v, dict) for v in kinds.values()):
@@ -104,6 +107,13 @@ def _kinds(p: pathlib.Path, kinds: Any) -> dict[str, tuple[float, float, float]]
                              f"'budget_interval' and 'status', got {str(kinds)[:80]}")
     out = {}
     for knob, k in kinds.items():
+        if k.get("status") == "NO_KNEE":
+            top = k.get("harmless_up_to")
+            if isinstance(top, bool) or not isinstance(top, (int, float)) or not (math.isfinite(top) and top > 0):
+                raise AdmissionError(f"budget file {p}: kinds.{knob}.harmless_up_to must be a finite number > 0 "
+                                     f"(the largest M its levels were harmless at), got {top!r}")
+            out[str(knob)] = (float(top), float(top), math.inf)
+            continue
         if k.get("status") != "RESOLVED":
             continue
         b = k.get("budget")

@@ -172,9 +172,10 @@ def _kind_lines(result: Mapping[str, Any]) -> list[str]:
     kinds = result.get("kinds") or {}
     if not kinds:
         return []
-    items = [f"{k} (levels {', '.join(map(str, v['levels']))}): B = {v['budget']:.3g} [{v['budget_interval'][0]:.3g}, "
-             f"{v['budget_interval'][1]:.3g}], {v['status']}" + ("" if v["status"] == "RESOLVED" else f" ({v['why']})")
-             for k, v in kinds.items()]
+    items = [f"{k} (levels {', '.join(map(str, v['levels']))}): " + (
+        f"no knee, harmless up to M {v['harmless_up_to']:.3g} ({v['why']})" if v["status"] == "NO_KNEE" else
+        f"B = {v['budget']:.3g} [{v['budget_interval'][0]:.3g}, {v['budget_interval'][1]:.3g}], {v['status']}"
+        + ("" if v["status"] == "RESOLVED" else f" ({v['why']})")) for k, v in kinds.items()]
     return ["B per kind of mismatch, each fitted on the baseline and that kind's own levels (the headline B is the "
             "weight-noise knob's; `opdjax admit` judges a candidate of a fitted kind against its kind's B, and "
             "combinations and other kinds against the envelope, the B with the lowest lower end): "

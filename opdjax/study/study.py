@@ -437,8 +437,9 @@ def calibration_rows(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any
 def kind_budgets(study: StudyConfig, rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """B per kind of mismatch, for each knob other than weight noise that the sweep trained at >= 2 levels (e.g.
     staleness 2, 4, 8): `hinge_fit` over the baseline and that knob's rows. {knob: {"budget", "budget_interval",
-    "status" (RESOLVED / UNRESOLVED, as the main B's bracket), "why", "levels"}}; a budget per kind lets `admit`
-    judge a candidate of that kind against the harm its own kind does per unit of M."""
+    "status", "why", "levels"}}; status RESOLVED / UNRESOLVED as the main B's bracket, or NO_KNEE (with
+    "harmless_up_to", `harmless_up_to`) when the fit finds no knee within the levels and they are harmless up to
+    some M. A budget per kind lets `admit` judge a candidate against the harm its own kind does per unit of M."""
     base = [r for r in rows if r["knob"] == "baseline"]
     out = {}
     for knob in sorted({r["knob"] for r in rows} - {"baseline", "weight_noise"}):
@@ -448,7 +449,22 @@ def kind_budgets(study: StudyConfig, rows: Sequence[Mapping[str, Any]]) -> dict[
         b, iv, br = hinge_fit(base + mine, study.quality, study.delta, study.knee.factor)
         out[knob] = {"budget": b, "budget_interval": iv, "status": "RESOLVED" if br["resolved"] else "UNRESOLVED",
                      "why": br["why"], "levels": [r["value"] for r in mine]}
+        harmless = harmless_up_to(mine)
+        if not br["resolved"] and harmless and (not math.isfinite(b) or br.get("beyond") is None):
+            out[knob].update(status="NO_KNEE", harmless_up_to=harmless)
     return out
+
+
+def harmless_up_to(rows: Sequence[Mapping[str, Any]]) -> float | None:
+    """The largest probe M of a kind's levels up to which every level's runs admit (their q_loss CI within delta,
+    `runs_verdict`), in increasing M; None when the first level does not. A kind without a knee up to there is
+    known harmless below it, and nothing is known beyond it."""
+    top = None
+    for r in sorted(rows, key=lambda r: r["m_probe"] if r["m_probe"] is not None else math.inf):
+        if r["m_probe"] is None or r.get("runs_verdict") != "admit":
+            break
+        top = float(r["m_probe"])
+    return top
 
 
 def _budget_json(study: StudyConfig, budget: float, bracket: Mapping[str, Any], interval: list[float],

@@ -554,3 +554,22 @@ def test_a_malformed_kind_budget_is_refused_with_its_name(tmp_path):
                                                                 "status": "RESOLVED"}}))
     with pytest.raises(AdmissionError, match="'kinds' must map each knob"):
         load_budget(write_budget(tmp_path, kinds=[1, 2]))
+
+
+def test_a_kind_without_a_knee_admits_below_its_harmless_m_and_never_rejects(tmp_path, monkeypatch, capsys):
+    kinds = {"staleness": {"budget": 0.0, "budget_interval": [0.0, 0.0], "status": "NO_KNEE",
+                           "harmless_up_to": 0.05, "why": "no knee", "levels": [2, 4]}}
+    path = write_budget(tmp_path, budget=0.01, budget_interval=[0.008, 0.012], kinds=kinds)
+    assert load_budget(path).kinds["staleness"] == (0.05, 0.05, float("inf"))
+    out = tmp_path / "report.json"
+    cands = ["rollout.stale_versions=4", "rollout.stale_versions=9",
+             "rollout.weight_noise=0.005,rollout.stale_versions=1"]
+    run_cli(["admit", "--budget", path, "--out", str(out), *cands], monkeypatch, StaleProbe())
+    rows = json.loads(out.read_text())["candidates"]
+    assert [r["verdict"] for r in rows] == ["ADMIT", "UNCERTAIN", "REJECT"]  # 0.09 is beyond what was measured
+    assert rows[1]["budget_interval"] == [0.05, None]
+    assert rows[2]["budget_kind"] == "weight_noise"  # no knee bounds nothing: the combination meets the knob's B
+    assert "harmless up to M 5.000e-02" in capsys.readouterr().out
+    bad = {"staleness": {**kinds["staleness"], "harmless_up_to": float("nan")}}
+    with pytest.raises(AdmissionError, match="kinds.staleness.harmless_up_to"):
+        load_budget(write_budget(tmp_path, kinds=bad))

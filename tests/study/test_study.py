@@ -503,3 +503,18 @@ def test_b_is_fitted_on_the_calibration_knob_and_every_other_kind_gets_its_own()
     assert b == pytest.approx(0.5 * 5 ** (1 / 1.5), rel=0.2) and bs == pytest.approx(2.5 * 5 ** (1 / 1.5), rel=0.2)
     assert kinds["staleness"]["status"] == "RESOLVED" and iv[1] < kinds["staleness"]["budget_interval"][0]
     assert study_mod.calibration_rows(rows[:1] + rows[5:]) == rows[:1] + rows[5:]  # no noise levels: every row
+
+
+def test_a_kind_that_never_harms_is_harmless_up_to_its_largest_admitted_level():
+    rows = [{"m_probe": m, "runs_verdict": v} for m, v in ((2.0, "admit"), (0.7, "admit"), (4.6, "borderline"))]
+    assert study_mod.harmless_up_to(rows) == 2.0
+    assert study_mod.harmless_up_to(rows[:2]) == 2.0
+    assert study_mod.harmless_up_to([{"m_probe": 0.5, "runs_verdict": "reject"}]) is None
+    flat = [r for r in _kind_rows() if r["knob"] != "staleness"]
+    flat += [{**r, "seeds": [{**s, "reverse_kl": 0.1} for s in r["seeds"]]} for r in _kind_rows()
+             if r["knob"] == "staleness"]  # staleness that never harms: no knee
+    for r in flat:
+        r["runs_verdict"] = "admit"
+    study = study_config.load_study(None, ["delta=2.0", "quality=reverse_kl", "fit=hinge"])
+    k = study_mod.kind_budgets(study, flat)["staleness"]
+    assert k["status"] == "NO_KNEE" and k["harmless_up_to"] == pytest.approx(12.0)
