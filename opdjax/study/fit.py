@@ -24,7 +24,7 @@ from opdjax.study.dose import CI_LEVEL, QUALITIES, runs_verdict
 from opdjax.study.records import Point, RunResult
 
 __all__ = ["CI_LEVEL", "FITS", "QUALITIES", "aggregate", "baseline_stats", "budget_interval", "finite_mean",
-           "fit_budget", "hinge_fit", "hinge_runs", "knee_bracket",
+           "calibration_rows", "fit_budget", "hinge_fit", "hinge_runs", "knee_bracket",
            "mean_ci", "monotone_q_loss", "point_effect", "quality_losses",
            "runs_verdict", "straddles"]
 
@@ -234,6 +234,13 @@ def budget_interval(rows: Sequence[Mapping[str, Any]], quality: str, delta: floa
         bs.append(fit_budget(pts, delta, method)[0])
     lo, hi = np.quantile(bs, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)
+
+
+def calibration_rows(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The rows B is fitted on: the baseline and the weight-noise levels when the sweep has two or more (the
+    calibration knob; other kinds get their own fit in `kind_budgets`), else every row."""
+    noise = [r for r in rows if r["knob"] == "weight_noise"]
+    return [r for r in rows if r["knob"] == "baseline"] + noise if len(noise) >= 2 else list(rows)
 
 
 def hinge_runs(rows: Sequence[Mapping[str, Any]], quality: str) -> tuple[list[float], list[Any], list[str]]:

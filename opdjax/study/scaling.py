@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from opdjax.study import dose
-from opdjax.study.fit import hinge_runs
+from opdjax.study.fit import calibration_rows, hinge_runs
 
 __all__ = ["at", "crossing", "lognormal_draws", "power_law", "study_log_draws"]
 
@@ -28,11 +28,11 @@ _Q = ((1 - CI_LEVEL) / 2, (1 + CI_LEVEL) / 2)
 
 
 def study_log_draws(budget: Mapping[str, Any], *, n: int = 1000, seed: int = 0) -> np.ndarray:
-    """ln B draws, shape [n], of a hinge study's budget.json (its sweep points' runs resampled within every point,
-    the baseline's too: `dose.budget_bootstrap` with the study's seed 0, so their percentiles are its
+    """ln B draws, shape [n], of a hinge study's budget.json (the runs of its `fit.calibration_rows` resampled
+    within every point, the baseline's too: `dose.budget_bootstrap` with the study's seed 0, so their percentiles are its
     `budget_interval`); +inf where a resample has no knee."""
     quality = budget["config"]["study"]["quality"]
-    rows = [p for p in budget["points"] if p.get("group", "sweep") == "sweep"]
+    rows = calibration_rows([p for p in budget["points"] if p.get("group", "sweep") == "sweep"])
     m_R, v_R, g_R = hinge_runs(rows, quality)
     boot = dose.budget_bootstrap(m_R, dose.run_scores(v_R, quality), g_R, quality, float(budget["delta"]), n=n,
                                  seed=seed)

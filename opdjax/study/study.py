@@ -58,6 +58,7 @@ from opdjax.study.fit import (
     aggregate,
     baseline_stats,
     budget_interval,
+    calibration_rows,
     finite_mean,
     fit_budget,
     hinge_fit,
@@ -425,13 +426,6 @@ def _fit_rows(study: StudyConfig, rows: list[dict[str, Any]]) -> tuple[float, di
         r["q_loss_monotone"] = f
         r["admissible"] = bool(r["m_probe"] is not None and r["m_probe"] <= budget)
     return budget, bracket, interval
-
-
-def calibration_rows(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The rows B is fitted on: the baseline and the weight-noise levels when the sweep has two or more (the
-    calibration knob; other kinds get their own fit in `kind_budgets`), else every row."""
-    noise = [r for r in rows if r["knob"] == "weight_noise"]
-    return [r for r in rows if r["knob"] == "baseline"] + noise if len(noise) >= 2 else list(rows)
 
 
 def kind_budgets(study: StudyConfig, rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -492,7 +492,7 @@ def _kind_rows(seed=0):
 
 def test_b_is_fitted_on_the_calibration_knob_and_every_other_kind_gets_its_own():
     rows = _kind_rows()
-    cal = study_mod.calibration_rows(rows)
+    cal = fit.calibration_rows(rows)
     assert {r["knob"] for r in cal} == {"baseline", "weight_noise"}
     study = study_config.load_study(None, ["delta=2.0", "quality=reverse_kl", "fit=hinge"])
     b, iv, br = fit.hinge_fit(cal, "reverse_kl", 2.0, study.knee.factor)
@@ -502,7 +502,7 @@ def test_b_is_fitted_on_the_calibration_knob_and_every_other_kind_gets_its_own()
     # closed form: the score ln(RKL + 0.1) rises ln 3 above ln 0.2 where RKL = 0.5 = 0.1 (M / knee)^1.5
     assert b == pytest.approx(0.5 * 5 ** (1 / 1.5), rel=0.2) and bs == pytest.approx(2.5 * 5 ** (1 / 1.5), rel=0.2)
     assert kinds["staleness"]["status"] == "RESOLVED" and iv[1] < kinds["staleness"]["budget_interval"][0]
-    assert study_mod.calibration_rows(rows[:1] + rows[5:]) == rows[:1] + rows[5:]  # no noise levels: every row
+    assert fit.calibration_rows(rows[:1] + rows[5:]) == rows[:1] + rows[5:]  # no noise levels: every row
 
 
 def test_a_kind_that_never_harms_is_harmless_up_to_its_largest_admitted_level():
