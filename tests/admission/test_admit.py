@@ -573,3 +573,10 @@ def test_a_kind_without_a_knee_admits_below_its_harmless_m_and_never_rejects(tmp
     bad = {"staleness": {**kinds["staleness"], "harmless_up_to": float("nan")}}
     with pytest.raises(AdmissionError, match="kinds.staleness.harmless_up_to"):
         load_budget(write_budget(tmp_path, kinds=bad))
+
+
+def test_weight_noise_of_another_mode_is_not_matched_to_the_studys_noise_point():
+    points = [{"group": "sweep", "knob": "weight_noise", "value": 0.5, "m_probe": 1.0, "m_train": 1.1}]
+    assert admit.matching_point(points, "rollout.weight_noise=0.5") is points[0]
+    assert admit.matching_point(points, "rollout.weight_noise=0.5,rollout.noise_mode=per_version") is None
+    assert admit.matching_point(points, "rollout.weight_noise=0.5,rollout.noise_mode=fixed") is points[0]
