@@ -69,7 +69,7 @@ class Variant:
 # spans 0.001-0.3): it has 16 + 5 per level, a level inside the first bracket, and staleness 2/4/8 (which probe
 # at 0.7-4.6 there, around B) as a second kind with its own fit.
 VARIANTS = [Variant(16, levels=(0.25, 0.5, 0.7, 1.0, 2.0), seeds=5, baseline_seeds=16, staleness=(2, 4, 8)),
-            Variant(4, levels=(0.5, 1.0, 2.0, 4.0)),
+            Variant(4, levels=(0.5, 1.0, 2.0, 4.0)), Variant(2, levels=(1.0, 2.0, 4.0, 8.0)),
             Variant(32, levels=(0.125, 0.25, 0.5, 1.0)), Variant(8),
             Variant(8, size="tiny"), Variant(16, "llama", levels=(0.125, 0.25, 0.5, 1.0)),
             Variant(4, "llama", levels=(0.25, 0.5, 1.0, 2.0)), Variant(8, "llama", levels=(0.25, 0.5, 1.0, 2.0)),
@@ -183,6 +183,14 @@ def candidate_law(vs: list[dict], key: str, name: str) -> dict | None:
     return scaling.power_law([x for x, _ in pts], [math.log(c["m"]) for _, c in pts], draws)
 
 
+def flat_law(vs: list[dict], key: str, name: str) -> dict:
+    """A constant law at the candidate's M on the variant with the largest x (M not growing further)."""
+    v = max(vs, key=lambda v: v[key])
+    c = next(c for c in v["candidates"] if c["candidate"] == name)
+    d = scaling.lognormal_draws(c["m"], *c["ci"])
+    return {"slope": 0.0, "intercept": math.log(c["m"]), "draws": (np.zeros_like(d), d), "x": [v[key]]}
+
+
 def budget_law(vs: list[dict], key: str) -> tuple[dict | None, list[str]]:
     """The power law of B over the variants whose B resolved with finite draws (x = v[key]); and those left out."""
     ok = [v for v in vs if v["fit_ok"]]
@@ -194,7 +202,8 @@ def budget_law(vs: list[dict], key: str) -> tuple[dict | None, list[str]]:
 
 
 def report(out: pathlib.Path, json_out: str | None) -> int:
-    vs = [load_variant(f) for f in sorted(out.iterdir()) if (f / "candidates.json").is_file()]
+    vs = sorted((load_variant(f) for f in out.iterdir() if (f / "candidates.json").is_file()),
+                key=lambda v: (v["family"], v["size"], v["L"]))
     print(variants_table(vs))
     summary = {"variants": [{k: v[k] for k in v if k != "draws"} for v in vs], "laws": []}
     for axis, key, groups in (("length", "L", _groups(vs, ("family", "size"))),
@@ -258,10 +267,12 @@ def law_section(axis: str, key: str, label: str, vs: list[dict], law: dict, left
         if m is None:
             continue
         cross = scaling.crossing(m, law, x_from=min(law["x"]))
+        flat = scaling.crossing(flat_law(vs, key, name), law, x_from=min(law["x"]))
         rec["candidates"][name] = {"slope": m["slope"], "slope_ci": m["slope_ci"], "crossing": cross,
-                                   "at": {t: scaling.at(m, t) for t in targets}}
+                                   "crossing_flat": flat, "at": {t: scaling.at(m, t) for t in targets}}
         print(f"  {name:55s} M ∝ {key}^{m['slope']:.2f} [{m['slope_ci'][0]:.2f}, {m['slope_ci'][1]:.2f}]; reaches B "
-              f"at {cross['x']:.3g} [{cross['ci'][0]:.3g}, {cross['ci'][1]:.3g}] (never in {cross['never_share']:.0%})")
+              f"at {cross['x']:.3g} [{cross['ci'][0]:.3g}, {cross['ci'][1]:.3g}]; held at its value on the longest "
+              f"variant: at {flat['x']:.3g} [{flat['ci'][0]:.3g}, {flat['ci'][1]:.3g}]")
     return rec
 
 

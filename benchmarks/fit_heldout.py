@@ -26,17 +26,18 @@ import pathlib
 import numpy as np
 from scipy import optimize
 
-from opdjax.study import dose
+from opdjax.study import dose, fit
 
 MODELS = ("hinge", "isotonic", "logistic")
 
 
 def runs_of(budget: dict, quality: str = "reverse_kl") -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """(x_R = ln M, y_R scores, group_R) of every sweep run with a probed M."""
+    """(x_R = ln M, y_R scores, group_R) of every run of the study's calibration rows (`fit.calibration_rows`: the
+    baseline and the weight-noise levels) with a probed M."""
     key = "reverse_kl" if quality == "reverse_kl" else "accuracy"
+    sweep = fit.calibration_rows([p for p in budget["points"] if p.get("group", "sweep") == "sweep"])
     rows = [(s["m_probe"], s[key], "baseline" if p["knob"] == "baseline" else p["id"])
-            for p in budget["points"] if p.get("group", "sweep") == "sweep" for s in p["seeds"]
-            if s.get("m_probe") is not None]
+            for p in sweep for s in p["seeds"] if s.get("m_probe") is not None]
     m, v, g = zip(*rows)
     return dose.log_dose(m, g), dose.run_scores(v, quality), list(g)
 
