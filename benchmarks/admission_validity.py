@@ -223,12 +223,13 @@ def harshness(bj: dict, m: float, q: float, ci, quality: str) -> dict:
     """How much harm this candidate does per unit of M against the calibration knob: h = M_eq / M, where M_eq is
     the calibration knob's M at which the study's hinge fit predicts the candidate's observed loss q
     (`dose.budget_from_fit` with delta = q; q <= 0 gives the knee). h > 1: harsher than the knob B was fitted on
-    (its budget should be B / h); its interval from q's CI (the candidate's and the baseline's seeds)."""
+    (its budget should be B / h); its interval from q's CI (the candidate's and the baseline's seeds), from 0 when
+    that CI admits no loss at all. Below the knee every loss maps to the knee, so h there is an upper bound."""
     f = bj["bracket"].get("fit")
     if not f or not m > 0:
         return {"harshness": float("nan"), "harshness_ci": [float("nan")] * 2}
     eq = lambda qq: dose.budget_from_fit(f, quality, max(float(qq), 0.0)) / m  # noqa: E731
-    return {"harshness": eq(q), "harshness_ci": [eq(ci[0]), eq(ci[1])]}
+    return {"harshness": eq(q), "harshness_ci": [0.0 if ci[0] <= 0 else eq(ci[0]), eq(ci[1])]}
 
 
 def trivial_scores(decided: list[dict]) -> dict:

@@ -65,7 +65,8 @@ def test_harshness_is_the_calibration_knobs_m_for_the_same_loss_over_the_candida
     h = bench.harshness(bj, 0.5, 1.0, (0.5, 3.0), "reverse_kl")
     assert h["harshness"] == pytest.approx(2.0 / 0.5)  # the knob needs M = 2 for what this does at M = 0.5
     assert h["harshness_ci"] == pytest.approx([1.5 / 0.5, 4.0 / 0.5])
-    assert bench.harshness(bj, 4.0, -0.1, (-0.3, 0.1), "reverse_kl")["harshness"] == pytest.approx(0.25)  # no loss
+    none = bench.harshness(bj, 4.0, -0.1, (-0.3, 0.1), "reverse_kl")  # no loss: at most the knee's M over M
+    assert none["harshness"] == pytest.approx(0.25) and none["harshness_ci"] == pytest.approx([0.0, 1.1 / 4.0])
 
 
 def test_the_do_nothing_rules_score_what_the_runs_decided(bench):
