@@ -4,15 +4,16 @@
     python benchmarks/budget_scaling.py report [--out docs/results/budget_scaling] [--json FILE]
 
 `run` runs one `opdjax study` per variant of the measuring instrument (`configs/budget_sort_cpu.yaml` with the
-variant's overrides: sort length, max_new_tokens, family, size, weight-noise levels; fewer seeds than the committed
-32 + 4x8: 8 baseline seeds and 3 per level, stated on the page) through the public `opdjax.study` API, then probes
-the realistic candidates (`CANDIDATES`: FP8/INT8/4-bit recipes, staleness 1-8, combinations) on the variant's
+variant's overrides: sort length, max_new_tokens, family, size, weight-noise levels; fewer seeds than the
+committed 32 + 4x8: 8 baseline seeds and 3 per level unless the variant sets more) through the public
+`opdjax.study` API, then probes the realistic candidates (`CANDIDATES`: FP8/INT8/4-bit recipes, staleness 1-8, combinations) on the variant's
 own recorded setup with the study's fixed probe (`admission.probe.probe`, 4 batches, seed 0), and copies budget.json,
 points.csv, summary.md and candidates.json to `<out>/<variant>/`. Variants already done are skipped.
 
 `report` reads those folders and fits, over the length variants of each family, ln B = c - a ln L (L = mean
-tokens of the task's reference answers + EOS: the responses a converged run produces), with an interval from the studies' own bootstrap draws of B (one draw per
-variant per replicate, refitted); the same log-log line for each realistic candidate's M; and where the lines cross.
+tokens of the task's reference answers + EOS: the responses a converged run produces), with an interval from the
+studies' own bootstrap draws of B (one draw per variant per replicate, refitted); the same log-log line for each
+realistic candidate's M; and where M reaches B, with M growing as fitted or held at its longest variant's value.
 """
 
 from __future__ import annotations
@@ -240,7 +241,8 @@ def variants_table(vs: list[dict]) -> str:
         lo, hi = v["interval"]
         b = v["baseline_rkl"]
         step = float(np.median([x for x in b.get("policy_step_k3_median_seeds", []) if x is not None] or [math.nan]))
-        lines.append(f"| {v['name']} | {v['L']:.1f} | {v['L_probe']:.1f} | {v['params'] / 1e6:.2f}M | {v['B']:.3g} [{lo:.3g}, {hi:.3g}] "
+        lines.append(f"| {v['name']} | {v['L']:.1f} | {v['L_probe']:.1f} | {v['params'] / 1e6:.2f}M "
+                     f"| {v['B']:.3g} [{lo:.3g}, {hi:.3g}] "
                      f"| {v['status']} | {b['initial_reverse_kl']:.3g} → {b['reverse_kl']:.3g} | {step:.2g} "
                      f"| {v['runs']} | {v['minutes']:.0f} |")
     names = [c["candidate"] for c in vs[0]["candidates"]] if vs else []

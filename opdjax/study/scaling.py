@@ -29,8 +29,8 @@ _Q = ((1 - CI_LEVEL) / 2, (1 + CI_LEVEL) / 2)
 
 def study_log_draws(budget: Mapping[str, Any], *, n: int = 1000, seed: int = 0) -> np.ndarray:
     """ln B draws, shape [n], of a hinge study's budget.json (the runs of its `fit.calibration_rows` resampled
-    within every point, the baseline's too: `dose.budget_bootstrap` with the study's seed 0, so their percentiles are its
-    `budget_interval`); +inf where a resample has no knee."""
+    within every point, the baseline's too: `dose.budget_bootstrap` with the study's seed 0, so their percentiles
+    are its `budget_interval`); +inf where a resample has no knee."""
     quality = budget["config"]["study"]["quality"]
     rows = calibration_rows([p for p in budget["points"] if p.get("group", "sweep") == "sweep"])
     m_R, v_R, g_R = hinge_runs(rows, quality)
