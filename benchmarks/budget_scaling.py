@@ -8,7 +8,8 @@ variant's overrides: sort length, max_new_tokens, family, size, weight-noise lev
 committed 32 + 4x8: 8 baseline seeds and 3 per level unless the variant sets more) through the public
 `opdjax.study` API, then probes the realistic candidates (`CANDIDATES`: FP8/INT8/4-bit recipes, staleness
 1-8, combinations) on the variant's own recorded setup with the study's fixed probe (`admission.probe.probe`,
-4 batches, seed 0), and copies budget.json, points.csv, summary.md and candidates.json to `<out>/<variant>/`. Variants already done are skipped.
+4 batches, seed 0), and copies budget.json, points.csv, summary.md and candidates.json to `<out>/<variant>/`.
+Variants already done are skipped.
 
 `report` reads those folders and fits, over the length variants of each family, ln B = c - a ln L (L = mean
 tokens of the task's reference answers + EOS: the responses a converged run produces), with an interval from the
