@@ -28,7 +28,7 @@ def test_a_variant_overrides_the_instrument_with_its_own_knobs(bench):
 def test_the_committed_variants_give_back_the_committed_length_law(bench):
     committed = json.loads((OUT / "fit.json").read_text())
     vs = [bench.load_variant(f) for f in sorted(OUT.iterdir()) if (f / "candidates.json").is_file()]
-    law = next(x for x in committed["laws"] if x["axis"] == "length")
+    law = next(x for x in committed["laws"] if x["axis"] == "length" and x["label"] == "family=qwen3 size=small")
     members = [v for v in vs if f"family={v['family']} size={v['size']}" == law["label"]]
     fitted, _ = bench.budget_law(members, "L")
     assert fitted["slope"] == pytest.approx(law["slope"], rel=1e-9)
