@@ -204,19 +204,17 @@ def main(argv=None) -> int:
     return 0
 
 
-KINDS = (("stale_versions", "staleness"), ("weight_noise", "noise"), ("w4a16", "4-bit"), ("recipe", "recipe"))
-
-
 def kind_of(candidate: str) -> str:
-    """The candidate's kind of mismatch: "combination" when it sets two knobs, else its knob's kind; a
-    weight-noise candidate with a noise_mode is "noise:<mode>"."""
-    parts = [p.split("=", 1) for p in admit.split_candidate(candidate)]
-    kinds = {next((k for key, k in KINDS if key in f"{name}={value}"), name) for name, value in parts
-             if not name.endswith("noise_mode")}
-    mode = next((v for n, v in parts if n.endswith("noise_mode")), None)
-    if len(kinds) > 1:
+    """The candidate's kind of mismatch, from `admit.candidate_knobs` (the kinds `admit` judges by): "combination"
+    when it sets two, weight noise as "noise" ("noise:<mode>" for another noise_mode), a W4A16 recipe as "4-bit"."""
+    parts = admit.split_candidate(candidate)
+    knobs = admit.candidate_knobs(parts)
+    if len(knobs) > 1:
         return "combination"
-    return next(iter(kinds)) + (f":{mode}" if mode else "")
+    (knob,) = knobs
+    if knob == "recipe" and any("w4a16" in p for p in parts):
+        return "4-bit"
+    return {"weight_noise": "noise"}.get(knob, knob)
 
 
 def harshness(bj: dict, m: float, q: float, ci, quality: str) -> dict:

@@ -183,9 +183,8 @@ def matching_point(points: Sequence[Mapping[str, Any]], candidate: str) -> Mappi
     """The study's sweep point (budget.json `points`) that trained the candidate's own knob — its only KNOBS
     override, at the same value (numbers compared as numbers: "1" is 1.0), and of the same kind (weight noise of
     another noise_mode is not the study's knob: `candidate_knobs`) — or None."""
-    over = candidate_overrides(candidate)
-    knobs = {KNOBS[k]: v for k, v in over.items() if k in KNOBS}
-    if len(knobs) != 1 or candidate_knobs([f"{k}={v}" for k, v in over.items()]) != set(knobs):
+    knobs = {KNOBS[k]: v for k, v in candidate_overrides(candidate).items() if k in KNOBS}
+    if len(knobs) != 1 or candidate_knobs(split_candidate(candidate)) != set(knobs):
         return None
     (knob, value), = knobs.items()
     return next((p for p in points if p.get("group") == "sweep" and p.get("knob") == knob
