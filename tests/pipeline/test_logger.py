@@ -56,6 +56,17 @@ def _put(d: dict, item) -> None:
     d[path[-1]] = json.loads(item.value_json)
 
 
+def read_run_when(run_dir: pathlib.Path, ready, seconds: float = 30) -> dict:
+    """`read_run` once `ready(got)` holds, or after `seconds`: wandb-core may still be writing the run file after
+    finish() returns on a loaded machine (seen in full runs)."""
+    deadline = time.time() + seconds
+    got = read_run(run_dir)
+    while not ready(got) and time.time() < deadline:
+        time.sleep(0.5)
+        got = read_run(run_dir)
+    return got
+
+
 def read_run(run_dir: pathlib.Path) -> dict:
     """What a W&B run file holds: the run record (id, name, group, tags), its config, each step's history, the final
     summary."""
@@ -92,11 +103,7 @@ def test_an_offline_wandb_run_is_written_and_read_back(offline, tmp_path):
         m.log(1, {"loss": 1.5, "grad_norm": 2, "mismatch/k3": float("nan"), "note": "text"})
         m.log(2, {"loss": 0.75, "eval/accuracy": 0.5})
         m.finish(SUMMARY)
-    got = read_run(out)
-    deadline = time.time() + 30
-    while (got["run"] is None or not got["summary"]) and time.time() < deadline:  # wandb-core may still be
-        time.sleep(0.5)                                                            # writing after finish() returns
-        got = read_run(out)                                                        # on a loaded machine
+    got = read_run_when(out, lambda g: g["run"] is not None and g["summary"])
     run_id = (out / wandb_sink.ID_FILE).read_text().strip()
     assert (got["run"].run_id, got["run"].display_name, got["run"].run_group) == (run_id, "demo", "fp8")
     assert got["run"].project == "opdjax" and list(got["run"].tags) == ["fp8", "sync"]
@@ -201,11 +208,8 @@ def test_a_training_run_logs_its_config_steps_and_summary_to_wandb(offline, pair
         "pipeline.progress=false", "pipeline.tensorboard=false", f"pipeline.out_dir={tmp_path / 'run'}",
         "pipeline.wandb=offline"])
     summary = loop.train(cfg, log=lambda s: None)
-    got, out = read_run(tmp_path / "run"), tmp_path / "run"
-    deadline = time.time() + 30
-    while not got["config"] and time.time() < deadline:  # wandb-core may still be writing the file after finish()
-        time.sleep(0.5)                                   # returns on a loaded machine (seen once in a full run)
-        got = read_run(out)
+    out = tmp_path / "run"
+    got = read_run_when(out, lambda g: g["config"])
     assert got["config"] == json.loads((out / "config.json").read_text())
     for line in (out / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
