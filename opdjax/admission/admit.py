@@ -17,6 +17,12 @@ and separately of a false REJECT):
     UNCERTAIN  otherwise, once `--max-batches` batches are in, or as soon as M's bounds lie inside [B_lo, B_hi]
                (treat as not admitted: `admit` exits 1)
 
+Which B: a candidate setting one kind the study fitted (staleness, weight noise) meets that kind's B; a
+combination of study knobs (recipe + staleness, say) meets the harmonic mix 1 / sum_k s_k / B_k of its components'
+B, s_k being each component's M probed alone as a share of their sum (`judged_against`: harm assumed to add as
+M_k / B_k over kinds; a component kind with no B of its own, a recipe, counts at the envelope); anything else
+meets the envelope, the B with the lowest lower end over the fitted kinds.
+
 [B_lo, B_hi] is B's own interval (budget.json's `budget_interval`: the study's bootstrap over its baseline's and
 levels' seeds), so B's uncertainty counts against a candidate, never for it; a budget file without one is decided
 against the point B (B_lo = B_hi = B).
@@ -44,7 +50,7 @@ from opdjax.config import TrainConfig, load
 from opdjax.core.errors import ConfigError
 
 __all__ = ["KNOBS", "VERDICTS", "verdict", "split_candidate", "candidate_config", "candidate_knobs",
-           "candidate_overrides", "setup_source",
+           "candidate_overrides", "component_parts", "judged_against", "setup_source",
            "admit", "exit_code", "format_admit_table", "matching_point", "training_view"]
 
 
@@ -143,7 +149,10 @@ def admit(candidates: Sequence[str], budget: Budget, *, config: str | Mapping[st
     rows = []
     for (text, parts), cfg in zip(parsed, cfgs):
         log(f"probing {text} ...")
-        which, b, b_lo, b_hi = budget.for_kind(candidate_knobs(parts))
+        alone = lambda group: probe_fn(candidate_config(source, overrides, group), budget.budget,  # noqa: E731
+                                       metric=budget.metric, risk=risk, max_batches=max_batches, seed=seed,
+                                       log=lambda s: None).m
+        which, b, b_lo, b_hi = judged_against(budget, parts, alone)
         r = probe_fn(cfg, b_lo, metric=budget.metric, risk=risk, max_batches=max_batches, seed=seed,
                      log=lambda s: None, budget_high=b_hi)
         v = verdict(r.ci_low, r.ci_high, b_lo, b_hi)
@@ -172,6 +181,38 @@ def candidate_knobs(parts: Sequence[str]) -> set[str]:
     if mode != "fixed":
         knobs = (knobs - {"weight_noise"}) | {f"noise:{mode}"}
     return knobs
+
+
+def component_parts(parts: Sequence[str]) -> dict[str, list[str]] | None:
+    """A combination's parts grouped by the kind each sets ({kind: parts}, kinds as `candidate_knobs`; a
+    rollout.noise_mode part goes with the weight noise it qualifies) when it sets >= 2 kinds, each a study knob
+    (`KNOBS`); None otherwise (one kind, or a key no study trains: `Budget.for_kind` judges it)."""
+    key = lambda p: p.split("=", 1)[0].strip()  # noqa: E731
+    mode = [p for p in parts if key(p) == "rollout.noise_mode"]
+    groups: dict[str, list[str]] = {}
+    for p in (p for p in parts if key(p) != "rollout.noise_mode"):
+        if key(p) not in KNOBS:
+            return None
+        group = [p, *mode] if key(p) == "rollout.weight_noise" else [p]
+        (kind,) = candidate_knobs(group)
+        groups.setdefault(kind, []).extend(group)
+    return groups if len(groups) >= 2 else None
+
+
+def judged_against(budget: Budget, parts: Sequence[str],
+                   m_alone: Callable[[list[str]], float]) -> tuple[str, float, float, float]:
+    """(which, B, lo, hi) a candidate is judged against: one kind's own B or the envelope (`Budget.for_kind`);
+    for a combination of study knobs, when the budget has B per kind, the harmonic mix of its components' B
+    weighted by each component's M alone (`m_alone(parts)`, probed on the same setup) as a share of their sum
+    (`Budget.for_shares`); the envelope when those M do not sum to a positive number."""
+    groups = component_parts(parts) if budget.kinds else None
+    if groups is None:
+        return budget.for_kind(candidate_knobs(parts))
+    ms = {kind: max(float(m_alone(group)), 0.0) for kind, group in groups.items()}
+    total = sum(ms.values())
+    if not (math.isfinite(total) and total > 0):
+        return budget.for_kind(candidate_knobs(parts))
+    return budget.for_shares({kind: m / total for kind, m in ms.items()})
 
 
 def candidate_overrides(candidate: str) -> dict[str, str]:
@@ -235,8 +276,9 @@ def format_admit_table(rows: Sequence[AdmitRow], budget: Budget | None = None) -
                   f"  {k}: no knee within its study levels, harmless up to M {b:.3e} (ADMIT below it, never REJECT)"
                   for k, (b, lo, hi) in budget.kinds.items()]
         if budget.kinds:
-            lines.append("  a candidate of one fitted kind is judged against its kind's B; combinations and other "
-                         "kinds against the envelope (the B with the lowest lower end)")
+            lines.append("  a candidate of one fitted kind is judged against its kind's B; a combination of study knobs "
+                         "against its components' B mixed by their M shares; other kinds against the envelope (the "
+                         "B with the lowest lower end)")
     kind = lambda r: f" (B of {r.budget_kind})" if budget is not None and budget.kinds else ""  # noqa: E731
     lines += ["", "why:"] + [f"  {r.candidate}: {r.verdict}{kind(r)}: {r.reason}"
                              + (f"\n    {r.training}" if r.training else "") for r in rows] if rows else []

@@ -56,6 +56,27 @@ class Budget:
         k = min(knees, key=lambda name: own[name][1])
         return (f"envelope ({k})", *own[k])
 
+    def for_shares(self, shares: Mapping[str, float]) -> tuple[str, float, float, float]:
+        """(which, B, lo, hi) for a combination whose components probe alone at M shares s_k (kind -> s_k >= 0,
+        summing to 1): the harmonic mix B_mix = 1 / sum_k s_k / B_k of each component's own B (`for_kind`, so the
+        envelope for a kind the study has no B for), at B and at each end of its interval.
+
+        Where harm grows as M_k / B_k per kind and adds over kinds (the combination stays within budget while
+        sum_k M_k / B_k <= 1), M = sum_k M_k is within budget iff M <= B_mix. A kind with no upper end (inf)
+        contributes nothing to hi's sum; a mix of only such kinds keeps hi = inf.
+        """
+        parts = {k: self.for_kind({k})[1:] for k in shares}
+        mix = [harmonic_mix({k: (s, parts[k][i]) for k, s in shares.items()}) for i in range(3)]
+        label = ", ".join(f"{k} {shares[k]:.0%}" for k in sorted(shares, key=lambda k: -shares[k]))
+        return (f"shares ({label})", *mix)
+
+
+def harmonic_mix(terms: Mapping[str, tuple[float, float]]) -> float:
+    """1 / sum_k s_k / B_k over terms k -> (s_k, B_k): B_k = inf adds 0, B_k = 0 with s_k > 0 makes the mix 0, an
+    all-zero sum makes it inf."""
+    total = sum(0.0 if s == 0 else (math.inf if b <= 0 else s / b) for s, b in terms.values())
+    return math.inf if total == 0 else 1.0 / total
+
 
 def load_budget(path: str | pathlib.Path) -> Budget:
     """Read "metric", "budget" (and "delta" if present) from a study's budget.json; clear errors otherwise."""

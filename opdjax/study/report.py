@@ -178,7 +178,8 @@ def _kind_lines(result: Mapping[str, Any]) -> list[str]:
         + ("" if v["status"] == "RESOLVED" else f" ({v['why']})")) for k, v in kinds.items()]
     return ["B per kind of mismatch, each fitted on the baseline and that kind's own levels (the headline B is the "
             "weight-noise knob's; `opdjax admit` judges a candidate of a fitted kind against its kind's B, and "
-            "combinations and other kinds against the envelope, the B with the lowest lower end): "
+            "a combination of study knobs against its components' B mixed by their M shares, and other kinds "
+            "against the envelope, the B with the lowest lower end): "
             + "; ".join(items) + ".", ""]
 
 

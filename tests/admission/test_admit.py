@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import pathlib
 
 import pytest
@@ -519,7 +520,7 @@ class StaleProbe(FakeProbe):
 
 @pytest.mark.parametrize("stale_b,envelope", [((0.05, 0.04, 0.06), "envelope (weight_noise)"),
                                               ((0.005, 0.004, 0.006), "envelope (staleness)")])
-def test_a_candidate_is_judged_against_its_own_kinds_budget_and_a_combination_against_the_envelope(
+def test_a_candidate_is_judged_against_its_own_kinds_budget_and_a_combination_against_its_shares(
         tmp_path, monkeypatch, stale_b, envelope):
     b, lo, hi = stale_b
     kinds = {"staleness": {"budget": b, "budget_interval": [lo, hi], "status": "RESOLVED"},
@@ -532,12 +533,42 @@ def test_a_candidate_is_judged_against_its_own_kinds_budget_and_a_combination_ag
              "rollout.weight_noise=0.005,rollout.noise_mode=per_version"]
     run_cli(["admit", "--budget", path, "--out", str(out), *cands], monkeypatch, StaleProbe())
     rows = json.loads(out.read_text())["candidates"]
-    assert [r["budget_kind"] for r in rows] == ["staleness", "weight_noise", envelope, envelope]
+    # the combination: noise 0.005 and staleness 0.01 alone, so shares 1/3 and 2/3 of each B
+    shares = "shares (staleness 67%, weight_noise 33%)"
+    assert [r["budget_kind"] for r in rows] == ["staleness", "weight_noise", shares, envelope]
     gentle = envelope.endswith("(weight_noise)")
-    # M 0.03: inside a gentler staleness budget, beyond a harsher one; M 0.015 (a combination): beyond either
-    assert [r["verdict"] for r in rows] == (["ADMIT", "ADMIT", "REJECT", "ADMIT"] if gentle else
+    mix = [1 / (1 / 3 / n + 2 / 3 / st) for n, st in zip((0.01, 0.008, 0.012), stale_b)]
+    assert rows[2]["budget"] == pytest.approx(mix[0]) and rows[2]["budget_interval"] == pytest.approx(mix[1:])
+    # M 0.03: inside a gentler staleness budget, beyond a harsher one; M 0.015 [0.0135, 0.0165] (the combination):
+    # within the gentle mix's lower end 0.0171, beyond the harsh mix's upper end 0.0072
+    assert [r["verdict"] for r in rows] == (["ADMIT", "ADMIT", "ADMIT", "ADMIT"] if gentle else
                                             ["REJECT", "ADMIT", "REJECT", "UNCERTAIN"])
     assert rows[0]["budget_interval"] == [lo, hi]
+
+
+def test_component_parts_groups_a_combination_by_kind_and_leaves_the_rest_to_for_kind():
+    parts = ["rollout.recipe=nvfp4_w4a16", "rollout.weight_noise=0.1", "rollout.noise_mode=per_version",
+             "rollout.stale_versions=8"]
+    assert admit.component_parts(parts) == {"recipe": ["rollout.recipe=nvfp4_w4a16"],
+                                            "noise:per_version": parts[1:3], "staleness": parts[3:]}
+    assert admit.component_parts(["rollout.stale_versions=8"]) is None  # one kind
+    assert admit.component_parts(["rollout.stale_versions=8", "rollout.engine=vllm"]) is None  # a kind no study trains
+
+
+def test_for_shares_is_the_harmonic_mix_of_each_components_budget():
+    b = Budget("k3", 2.0, interval=(1.0, 4.0), kinds={"staleness": (8.0, 6.0, math.inf)})
+    assert b.for_shares({"staleness": 1.0})[1:] == (8.0, 6.0, math.inf)
+    which, mid, lo, hi = b.for_shares({"staleness": 0.75, "recipe": 0.25})  # recipe: no B of its own, the envelope
+    assert which == "shares (staleness 75%, recipe 25%)"
+    assert (mid, lo, hi) == pytest.approx((1 / (0.75 / 8 + 0.25 / 2), 1 / (0.75 / 6 + 0.25 / 1), 4.0 / 0.25))
+    assert bio.harmonic_mix({"a": (1.0, 0.0)}) == 0.0 and bio.harmonic_mix({"a": (0.0, 1.0)}) == math.inf
+
+
+def test_a_combination_whose_components_probe_at_zero_is_judged_against_the_envelope():
+    b = Budget("k3", 2.0, interval=(1.0, 4.0), kinds={"staleness": (8.0, 6.0, 9.0)})
+    parts = ["rollout.recipe=fp8_w8a8", "rollout.stale_versions=1"]
+    assert admit.judged_against(b, parts, lambda group: 0.0) == b.for_kind({"recipe", "staleness"})
+    assert admit.judged_against(b, parts, lambda group: 1.0)[0] == "shares (recipe 50%, staleness 50%)"
 
 
 def test_candidate_knobs_names_each_kind_a_candidate_sets():
@@ -566,9 +597,12 @@ def test_a_kind_without_a_knee_admits_below_its_harmless_m_and_never_rejects(tmp
              "rollout.weight_noise=0.005,rollout.stale_versions=1"]
     run_cli(["admit", "--budget", path, "--out", str(out), *cands], monkeypatch, StaleProbe())
     rows = json.loads(out.read_text())["candidates"]
-    assert [r["verdict"] for r in rows] == ["ADMIT", "UNCERTAIN", "REJECT"]  # 0.09 is beyond what was measured
+    # 0.09 is beyond what was measured; the combination (M 0.015, shares 1/3 noise, 2/3 staleness) is within the
+    # mix of the noise B's lower end and staleness's harmless M, 1 / (1/3 / 0.008 + 2/3 / 0.05) = 0.0182
+    assert [r["verdict"] for r in rows] == ["ADMIT", "UNCERTAIN", "ADMIT"]
     assert rows[1]["budget_interval"] == [0.05, None]
-    assert rows[2]["budget_kind"] == "weight_noise"  # no knee bounds nothing: the combination meets the knob's B
+    assert rows[2]["budget_kind"] == "shares (staleness 67%, weight_noise 33%)"
+    assert rows[2]["budget_interval"] == pytest.approx([1 / (1 / 3 / 0.008 + 2 / 3 / 0.05), 0.012 * 3])
     assert "harmless up to M 5.000e-02" in capsys.readouterr().out
     bad = {"staleness": {**kinds["staleness"], "harmless_up_to": float("nan")}}
     with pytest.raises(AdmissionError, match="kinds.staleness.harmless_up_to"):
