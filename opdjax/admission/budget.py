@@ -67,7 +67,7 @@ class Budget:
         """
         parts = {k: self.for_kind({k})[1:] for k in shares}
         mix = [harmonic_mix({k: (s, parts[k][i]) for k, s in shares.items()}) for i in range(3)]
-        label = ", ".join(f"{k} {shares[k]:.0%}" for k in sorted(shares, key=lambda k: -shares[k]))
+        label = ", ".join(f"{k} {100 * shares[k]:.3g}%" for k in sorted(shares, key=lambda k: -shares[k]))
         return (f"shares ({label})", *mix)
 
 

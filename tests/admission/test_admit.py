@@ -534,7 +534,7 @@ def test_a_candidate_is_judged_against_its_own_kinds_budget_and_a_combination_ag
     run_cli(["admit", "--budget", path, "--out", str(out), *cands], monkeypatch, StaleProbe())
     rows = json.loads(out.read_text())["candidates"]
     # the combination: noise 0.005 and staleness 0.01 alone, so shares 1/3 and 2/3 of each B
-    shares = "shares (staleness 67%, weight_noise 33%)"
+    shares = "shares (staleness 66.7%, weight_noise 33.3%)"
     assert [r["budget_kind"] for r in rows] == ["staleness", "weight_noise", shares, envelope]
     gentle = envelope.endswith("(weight_noise)")
     mix = [1 / (1 / 3 / n + 2 / 3 / st) for n, st in zip((0.01, 0.008, 0.012), stale_b)]
@@ -601,7 +601,7 @@ def test_a_kind_without_a_knee_admits_below_its_harmless_m_and_never_rejects(tmp
     # mix of the noise B's lower end and staleness's harmless M, 1 / (1/3 / 0.008 + 2/3 / 0.05) = 0.0182
     assert [r["verdict"] for r in rows] == ["ADMIT", "UNCERTAIN", "ADMIT"]
     assert rows[1]["budget_interval"] == [0.05, None]
-    assert rows[2]["budget_kind"] == "shares (staleness 67%, weight_noise 33%)"
+    assert rows[2]["budget_kind"] == "shares (staleness 66.7%, weight_noise 33.3%)"
     assert rows[2]["budget_interval"] == pytest.approx([1 / (1 / 3 / 0.008 + 2 / 3 / 0.05), 0.012 * 3])
     assert "harmless up to M 5.000e-02" in capsys.readouterr().out
     bad = {"staleness": {**kinds["staleness"], "harmless_up_to": float("nan")}}
