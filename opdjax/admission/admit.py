@@ -276,9 +276,9 @@ def format_admit_table(rows: Sequence[AdmitRow], budget: Budget | None = None) -
                   f"  {k}: no knee within its study levels, harmless up to M {b:.3e} (ADMIT below it, never REJECT)"
                   for k, (b, lo, hi) in budget.kinds.items()]
         if budget.kinds:
-            lines.append("  a candidate of one fitted kind is judged against its kind's B; a combination of study knobs "
-                         "against its components' B mixed by their M shares; other kinds against the envelope (the "
-                         "B with the lowest lower end)")
+            lines.append("  a candidate of one fitted kind is judged against its kind's B; a combination of study "
+                         "knobs against its components' B mixed by their M shares; other kinds against the envelope "
+                         "(the B with the lowest lower end)")
     kind = lambda r: f" (B of {r.budget_kind})" if budget is not None and budget.kinds else ""  # noqa: E731
     lines += ["", "why:"] + [f"  {r.candidate}: {r.verdict}{kind(r)}: {r.reason}"
                              + (f"\n    {r.training}" if r.training else "") for r in rows] if rows else []
