@@ -160,6 +160,7 @@ def main(argv=None) -> int:
         runs = fit.runs_verdict(ci, bj["delta"])
         rows.append({"candidate": c, "m": a["m"], "ci": [a["ci_low"], a["ci_high"]], "verdict": a["verdict"],
                      "batches": a["batches"], "reason": a["reason"], "probe_seconds": a["seconds"],
+                     "budget_kind": a.get("budget_kind"), "budget_interval": a.get("budget_interval"),
                      "reverse_kl_seeds": [r.reverse_kl for r in recs], "accuracy_seeds": [r.accuracy for r in recs],
                      "q_loss": q, "q_loss_seeds": losses, "q_loss_ci": list(ci), "runs_verdict": runs,
                      "m_train": fit.finite_mean(r.m_train_k3 for r in recs),

@@ -16,8 +16,9 @@ def bench():
     return load_benchmark("validity_truth_baseline")
 
 
-def test_rejudging_against_the_study_baseline_gives_back_the_committed_truth(bench):
-    v = json.loads((OUT / "validity.json").read_text())
+@pytest.mark.parametrize("validity", ["validity.json", "validity_fresh/validity.json"])
+def test_rejudging_against_the_study_baseline_gives_back_the_committed_truth(bench, validity):
+    v = json.loads((OUT / validity).read_text())
     bj = json.loads((OUT / "budget.json").read_text())
     rows = bench.rejudge(v["rows"], bj["baseline"], bj["delta"])
     for new, old in zip(rows, v["rows"]):
