@@ -45,6 +45,7 @@ from opdjax.admission import admit  # noqa: E402
 from opdjax.admission.budget import load_budget  # noqa: E402
 from opdjax.config import to_dict  # noqa: E402
 from opdjax.study import dose, fit, report  # noqa: E402
+from opdjax.study.fit import trivial_scores  # noqa: E402,F401  (re-exported: the do-nothing rules' scores)
 from opdjax.study import study as study_mod  # noqa: E402
 from opdjax.study.records import Point, noise_point  # noqa: E402
 from opdjax.study.study_config import load_study  # noqa: E402
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
                      "q_loss": q, "q_loss_seeds": losses, "q_loss_ci": list(ci), "runs_verdict": runs,
                      "m_train": fit.finite_mean(r.m_train_k3 for r in recs),
                      "should_admit": runs == "admit",
-                     "agree": None if runs == "borderline" else (a["verdict"] == "ADMIT") == (runs == "admit"),
+                     "agree": fit.probe_agrees(a["verdict"], runs),
                      "seeds_straddle_delta": fit.straddles(losses, bj["delta"]), "kind": kind_of(c),
                      **harshness(bj, a["m"], q, ci, study.quality)})
 
@@ -176,9 +177,8 @@ def main(argv=None) -> int:
            "budget_interval": bj.get("budget_interval"), "bracket": bj.get("bracket"), "risk": args.risk,
            "baseline_reverse_kl": baseline["reverse_kl"], "seeds": seeds, "study_seeds": list(study.seeds),
            "rows": rows,
-           "agreement": sum(bool(r["agree"]) for r in decided), "n": len(rows), "n_decided": len(decided),
+           "n": len(rows), **fit.validity_scores(rows),
            "borderline": [r["candidate"] for r in rows if r["runs_verdict"] == "borderline"],
-           "false_admits": [r["candidate"] for r in decided if r["verdict"] == "ADMIT" and r["runs_verdict"] == "reject"],
            "uncertain_decided": [r["candidate"] for r in decided if r["verdict"] == "UNCERTAIN"],
            "admit_wall_seconds": warm, "admit_wall_seconds_cold": cold,
            "probe_seconds_per_candidate": warm / len(candidates),
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
            "mean_study_point_seconds": mean_point, "probe_cost_ratio": warm / len(candidates) / mean_point,
            "probe_cost_ratio_cold": cold / len(candidates) / mean_point,
            "probe_seed": args.probe_seed, "truth_seeds_disjoint": bool(args.truth_seeds),
-           **trivial_scores(decided), **m_coverage(rows, bj["budget"])}
+           **m_coverage(rows, bj["budget"])}
     (out / "validity.json").write_text(json.dumps(rep, indent=2) + "\n")
     bj["validity"] = rep
     (out / "summary.md").write_text(report.summary_markdown(bj))
@@ -229,13 +229,6 @@ def harshness(bj: dict, m: float, q: float, ci, quality: str) -> dict:
         return {"harshness": float("nan"), "harshness_ci": [float("nan")] * 2}
     eq = lambda qq: dose.budget_from_fit(f, quality, max(float(qq), 0.0)) / m  # noqa: E731
     return {"harshness": eq(q), "harshness_ci": [0.0 if ci[0] <= 0 else eq(ci[0]), eq(ci[1])]}
-
-
-def trivial_scores(decided: list[dict]) -> dict:
-    """What the do-nothing rules score on the same decided candidates: always ADMIT is right where the runs
-    admit, always REJECT where they reject."""
-    return {"always_admit": sum(r["runs_verdict"] == "admit" for r in decided),
-            "always_reject": sum(r["runs_verdict"] == "reject" for r in decided)}
 
 
 def disjoint_seeds(text: str, study) -> list[int]:

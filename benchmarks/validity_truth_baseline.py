@@ -7,7 +7,8 @@
 quality loss against the study's baseline seeds, so seeds that run worse (or better) regardless of mismatch shift
 every truth row. This trains the mismatch-free baseline on the truth seeds (`opdjax.study.run_one`, reused when
 the study's folder has it), then recomputes every row's q_loss, its CI and the runs' verdict against it
-(`fit.point_effect`, `fit.runs_verdict`, as the study does), the probe's agreement and the do-nothing rules' scores.
+(`fit.point_effect`, `fit.runs_verdict`, as the study does), the probe's agreement and the do-nothing rules' scores
+(`fit.validity_scores`, as admission_validity.py scores its own).
 """
 
 from __future__ import annotations
@@ -32,16 +33,14 @@ def truth_baseline(study_dir: pathlib.Path, seeds: list[int]) -> dict:
 
 def rejudge(rows: list[dict], baseline: dict, delta: float, quality: str = "reverse_kl") -> list[dict]:
     """Each validity row's q_loss [CI], runs' verdict and agreement with its probe verdict against `baseline`."""
+    key = "reverse_kl" if quality == "reverse_kl" else "accuracy"
     out = []
     for r in rows:
-        key = "reverse_kl_seeds" if quality == "reverse_kl" else "accuracy_seeds"
-        recs = [{key.removesuffix("_seeds"): x} for x in r[key]]
-        q, ci = fit.point_effect(recs, baseline, quality)
+        q, ci = fit.point_effect([{key: x} for x in r[f"{key}_seeds"]], baseline, quality)
         runs = fit.runs_verdict(ci, delta)
-        agree = None if runs == "borderline" else (r["verdict"] == "ADMIT") == (runs == "admit")
         out.append({"candidate": r["candidate"], "verdict": r["verdict"], "q_loss": q, "q_loss_ci": ci,
-                    "runs_verdict": runs, "agree": agree, "q_loss_study_baseline": r["q_loss"],
-                    "runs_verdict_study_baseline": r["runs_verdict"]})
+                    "runs_verdict": runs, "agree": fit.probe_agrees(r["verdict"], runs),
+                    "q_loss_study_baseline": r["q_loss"], "runs_verdict_study_baseline": r["runs_verdict"]})
     return out
 
 
@@ -58,20 +57,15 @@ def main(argv=None) -> int:
     bj = json.loads((pathlib.Path(args.study) / "budget.json").read_text())
     base = truth_baseline(pathlib.Path(args.study), args.seeds)
     rows = rejudge(v["rows"], base, bj["delta"])
-    decided = [r for r in rows if r["agree"] is not None]
     summary = {"truth_baseline": base, "study_baseline_reverse_kl": bj["baseline"]["reverse_kl"], "rows": rows,
-               "agreement": sum(bool(r["agree"]) for r in decided), "n_decided": len(decided),
-               "always_admit": sum(r["runs_verdict"] == "admit" for r in decided),
-               "always_reject": sum(r["runs_verdict"] == "reject" for r in decided),
-               "false_admits": [r["candidate"] for r in decided
-                                if r["verdict"] == "ADMIT" and r["runs_verdict"] == "reject"]}
+               **fit.validity_scores(rows)}
     print(f"baseline on seeds {args.seeds}: reverse KL {base['reverse_kl']:.3f} "
           f"(study's baseline {bj['baseline']['reverse_kl']:.3f})")
     for r in rows:
         print(f"  {r['candidate']:55s} {r['verdict']:9s} q_loss {r['q_loss']:+.2f} [{r['q_loss_ci'][0]:+.2f}, "
               f"{r['q_loss_ci'][1]:+.2f}] {r['runs_verdict']:10s} (against the study's baseline "
               f"{r['q_loss_study_baseline']:+.2f}, {r['runs_verdict_study_baseline']})")
-    print(f"agreement {summary['agreement']}/{len(decided)}, always ADMIT {summary['always_admit']}, "
+    print(f"agreement {summary['agreement']}/{summary['n_decided']}, always ADMIT {summary['always_admit']}, "
           f"always REJECT {summary['always_reject']}, false ADMITs {summary['false_admits']}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")

@@ -146,12 +146,18 @@ def admit(candidates: Sequence[str], budget: Budget, *, config: str | Mapping[st
     parsed = [(c, split_candidate(c)) for c in candidates]
     source = setup_source(budget, config)
     cfgs = [candidate_config(source, overrides, parts) for _, parts in parsed]
+    m_alone: dict[tuple[str, ...], float] = {}  # a combination's component, probed once per call
+
+    def alone(group: list[str]) -> float:
+        if tuple(group) not in m_alone:
+            m_alone[tuple(group)] = probe_fn(candidate_config(source, overrides, group), budget.budget,
+                                             metric=budget.metric, risk=risk, max_batches=max_batches, seed=seed,
+                                             log=lambda s: None).m
+        return m_alone[tuple(group)]
+
     rows = []
     for (text, parts), cfg in zip(parsed, cfgs):
         log(f"probing {text} ...")
-        alone = lambda group: probe_fn(candidate_config(source, overrides, group), budget.budget,  # noqa: E731
-                                       metric=budget.metric, risk=risk, max_batches=max_batches, seed=seed,
-                                       log=lambda s: None).m
         which, b, b_lo, b_hi = judged_against(budget, parts, alone)
         r = probe_fn(cfg, b_lo, metric=budget.metric, risk=risk, max_batches=max_batches, seed=seed,
                      log=lambda s: None, budget_high=b_hi)

@@ -25,8 +25,8 @@ from opdjax.study.records import Point, RunResult
 
 __all__ = ["CI_LEVEL", "FITS", "QUALITIES", "aggregate", "baseline_stats", "budget_interval", "finite_mean",
            "calibration_rows", "fit_budget", "hinge_fit", "hinge_runs", "knee_bracket",
-           "mean_ci", "monotone_q_loss", "point_effect", "quality_losses",
-           "runs_verdict", "straddles"]
+           "mean_ci", "monotone_q_loss", "point_effect", "probe_agrees", "quality_losses",
+           "runs_verdict", "straddles", "trivial_scores", "validity_scores"]
 
 FITS = ("hinge", "isotonic", "first_failure")
 
@@ -198,6 +198,30 @@ def straddles(q_loss_seeds: Sequence[float], delta: float) -> bool:
     """True when some seeds' quality loss is within delta and others beyond it (a seed-decided full-run verdict)."""
     within = [q <= delta for q in q_loss_seeds]
     return any(within) and not all(within)
+
+
+def probe_agrees(verdict: str, runs: str) -> bool | None:
+    """Whether a probe verdict agrees with the full runs' (`runs_verdict`): ADMIT with "admit", REJECT and UNCERTAIN
+    (not admitted) with "reject"; None where the runs are "borderline" (their seeds do not decide)."""
+    return None if runs == "borderline" else (verdict == "ADMIT") == (runs == "admit")
+
+
+def trivial_scores(decided: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """What the do-nothing rules score on the same decided candidates: always ADMIT is right where the runs
+    admit, always REJECT where they reject."""
+    return {"always_admit": sum(r["runs_verdict"] == "admit" for r in decided),
+            "always_reject": sum(r["runs_verdict"] == "reject" for r in decided)}
+
+
+def validity_scores(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A validity table's scores over its decided rows (runs not borderline; each row has "candidate", the probe's
+    "verdict", "runs_verdict" and "agree"): agreement, n_decided, false_admits (probe ADMIT, runs reject) and the
+    do-nothing rules' `trivial_scores`."""
+    decided = [r for r in rows if r["runs_verdict"] != "borderline"]
+    return {"agreement": sum(bool(r["agree"]) for r in decided), "n_decided": len(decided),
+            "false_admits": [r["candidate"] for r in decided
+                             if r["verdict"] == "ADMIT" and r["runs_verdict"] == "reject"],
+            **trivial_scores(decided)}
 
 
 def mean_ci(xs: Sequence[float], *, n: int = 2000, seed: int = 0, level: float = CI_LEVEL) -> tuple[float, float]:

@@ -571,6 +571,21 @@ def test_a_combination_whose_components_probe_at_zero_is_judged_against_the_enve
     assert admit.judged_against(b, parts, lambda group: 1.0)[0] == "shares (recipe 50%, staleness 50%)"
 
 
+def test_a_component_shared_by_two_combinations_is_probed_once():
+    probed = []
+
+    def probe(cfg, budget=None, **kw):
+        probed.append((cfg.rollout.weight_noise, cfg.rollout.stale_versions))
+        return StaleProbe()(cfg, budget, **kw)
+
+    b = Budget("k3", 0.01, interval=(0.008, 0.012), kinds={"staleness": (0.05, 0.04, 0.06)})
+    cands = [f"rollout.weight_noise=0.005,rollout.stale_versions={v}" for v in (1, 2)]
+    rows = admit.admit(cands, b, probe_fn=probe, log=lambda s: None)
+    assert [r.budget_kind.split(" (")[0] for r in rows] == ["shares", "shares"]
+    # noise 0.005 alone once, each staleness alone, each combination
+    assert sorted(probed) == sorted([(0.005, 0), (0.0, 1), (0.005, 1), (0.0, 2), (0.005, 2)])
+
+
 def test_candidate_knobs_names_each_kind_a_candidate_sets():
     assert admit.candidate_knobs(["rollout.stale_versions=2"]) == {"staleness"}
     assert admit.candidate_knobs(["rollout.recipe=fp8_w8a8", "rollout.stale_versions=1"]) == {"recipe", "staleness"}
