@@ -23,6 +23,12 @@ B, s_k being each component's M probed alone as a share of their sum (`judged_ag
 M_k / B_k over kinds; a component kind with no B of its own, a recipe, counts at the envelope); anything else
 meets the envelope, the B with the lowest lower end over the fitted kinds.
 
+Staleness is judged where training sees it (`Budget.views`): the probe takes its stale version right after the
+warm-up, where steps are largest, so its M saturates with k while training's keeps growing. The study records B on
+training's M and, per trained level, r = training M / probe M with a seed interval; a staleness-k part meets
+B_train / r(k) on the probe's scale (lower end B_train_lo / r_hi, upper end B_train_hi / r_lo; r log-log
+interpolated between trained levels, and 1 or the largest recorded r outside them).
+
 [B_lo, B_hi] is B's own interval (budget.json's `budget_interval`: the study's bootstrap over its baseline's and
 levels' seeds), so B's uncertainty counts against a candidate, never for it; a budget file without one is decided
 against the point B (B_lo = B_hi = B).
@@ -50,8 +56,8 @@ from opdjax.config import TrainConfig, load
 from opdjax.core.errors import ConfigError
 
 __all__ = ["KNOBS", "VERDICTS", "verdict", "split_candidate", "candidate_config", "candidate_knobs",
-           "candidate_overrides", "component_parts", "judged_against", "setup_source",
-           "admit", "exit_code", "format_admit_table", "matching_point", "training_view"]
+           "candidate_levels", "candidate_overrides", "component_parts", "judged_against", "setup_source",
+           "admit", "exit_code", "format_admit_table", "matching_point", "training_view", "view_line"]
 
 
 VERDICTS = ("ADMIT", "REJECT", "UNCERTAIN")
@@ -167,9 +173,10 @@ def admit(candidates: Sequence[str], budget: Budget, *, config: str | Mapping[st
                              tokens=int(r.tokens), metrics=dict(r.metrics), batches=int(r.batches), risk=risk,
                              reason=r.reason or explain(v, r.m, r.ci_low, r.ci_high, b_lo, r.batches,
                                                         max_batches, risk, b_hi),
-                             budget_interval=None if budget.interval is None and not budget.kinds else
+                             budget_interval=None if budget.interval is None and not (budget.kinds or budget.views) else
                              [b_lo, b_hi if math.isfinite(b_hi) else None],
-                             training=training_view(study_points, text, float(r.m)) or "", budget_kind=which))
+                             training=view_line(budget, parts, float(r.m))
+                             or training_view(study_points, text, float(r.m)) or "", budget_kind=which))
     return rows
 
 
@@ -207,18 +214,33 @@ def component_parts(parts: Sequence[str]) -> dict[str, list[str]] | None:
 
 def judged_against(budget: Budget, parts: Sequence[str],
                    m_alone: Callable[[list[str]], float]) -> tuple[str, float, float, float]:
-    """(which, B, lo, hi) a candidate is judged against: one kind's own B or the envelope (`Budget.for_kind`);
-    for a combination of study knobs, when the budget has B per kind, the harmonic mix of its components' B
-    weighted by each component's M alone (`m_alone(parts)`, probed on the same setup) as a share of their sum
-    (`Budget.for_shares`); the envelope when those M do not sum to a positive number."""
-    groups = component_parts(parts) if budget.kinds else None
+    """(which, B, lo, hi) a candidate is judged against: one kind's own B (on training's M at the candidate's
+    level, for a kind the budget has a view of) or the envelope (`Budget.for_kind`); for a combination of study
+    knobs, when the budget has B per kind, the harmonic mix of its components' B weighted by each component's M
+    alone (`m_alone(parts)`, probed on the same setup) as a share of their sum (`Budget.for_shares`); the envelope
+    when those M do not sum to a positive number. B is always in the probe's units (the M the verdict compares)."""
+    levels = candidate_levels(parts)
+    groups = component_parts(parts) if budget.kinds or budget.views else None
     if groups is None:
-        return budget.for_kind(candidate_knobs(parts))
+        return budget.for_kind(candidate_knobs(parts), levels)
     ms = {kind: max(float(m_alone(group)), 0.0) for kind, group in groups.items()}
     total = sum(ms.values())
     if not (math.isfinite(total) and total > 0):
         return budget.for_kind(candidate_knobs(parts))
-    return budget.for_shares({kind: m / total for kind, m in ms.items()})
+    return budget.for_shares({kind: m / total for kind, m in ms.items()}, levels)
+
+
+def candidate_levels(parts: Sequence[str]) -> dict[str, float]:
+    """{knob: level} for each study knob (`KNOBS`) a candidate sets to a number ("rollout.stale_versions=12" ->
+    {"staleness": 12.0}): where a kind judged on training's M (`Budget.views`) reads its training/probe ratio."""
+    out = {}
+    for p in parts:
+        key, _, value = p.partition("=")
+        try:
+            out[KNOBS[key.strip()]] = float(value)
+        except (KeyError, ValueError):
+            continue
+    return out
 
 
 def candidate_overrides(candidate: str) -> dict[str, str]:
@@ -257,6 +279,21 @@ def training_view(points: Sequence[Mapping[str, Any]], candidate: str, m: float)
             f"{p['m_probe']:.3e}, training M {p['m_train']:.3e}); the verdict stays on the probe's M")
 
 
+def view_line(budget: Budget, parts: Sequence[str], m: float) -> str | None:
+    """One line for a candidate of one kind judged on training's M (`Budget.views`): the ratio at its level and the
+    M training sees, against B on training's M. None for any other candidate."""
+    knobs, levels = candidate_knobs(parts), candidate_levels(parts)
+    k = next(iter(knobs)) if len(knobs) == 1 else None
+    if k not in budget.views or k not in levels:
+        return None
+    v, level = budget.views[k], levels[k]
+    r, lo, hi = v.ratio(level)
+    inside = v.levels_L[0] <= level <= v.levels_L[-1]
+    where = ("the study's ratio between its levels, log-log interpolated" if inside else f"outside the trained levels {v.levels_L[0]:g}-{v.levels_L[-1]:g}: the ratio is taken as {r:.3g}")
+    return (f"judged on training's M: training sees about M x {r:.3g} [{lo:.3g}, {hi:.3g}] = {m * r:.3e} ({where}) "
+            f"against B on training's M {v.budget:.3e} [{v.interval[0]:.3e}, {v.interval[1]:.3e}]")
+
+
 def exit_code(rows: Sequence[AdmitRow]) -> int:
     """0 when every candidate is admitted (and there is at least one), else 1."""
     return 0 if rows and all(r.verdict == "ADMIT" for r in rows) else 1
@@ -281,11 +318,15 @@ def format_admit_table(rows: Sequence[AdmitRow], budget: Budget | None = None) -
         lines += [f"  B for {k} (its own study levels): {b:.3e} [{lo:.3e}, {hi:.3e}]" if math.isfinite(hi) else
                   f"  {k}: no knee within its study levels, harmless up to M {b:.3e} (ADMIT below it, never REJECT)"
                   for k, (b, lo, hi) in budget.kinds.items()]
-        if budget.kinds:
+        lines += [f"  B for {k} on training's M: {v.budget:.3e} [{v.interval[0]:.3e}, {v.interval[1]:.3e}]; a "
+                  f"probe's M x the training/probe ratio at its level (trained levels "
+                  f"{', '.join(f'{x:g}' for x in v.levels_L)}) is judged against it" for k, v in budget.views.items()]
+        if budget.kinds or budget.views:
             lines.append("  a candidate of one fitted kind is judged against its kind's B; a combination of study "
                          "knobs against its components' B mixed by their M shares; other kinds against the envelope "
                          "(the B with the lowest lower end)")
-    kind = lambda r: f" (B of {r.budget_kind})" if budget is not None and budget.kinds else ""  # noqa: E731
+    per_kind = budget is not None and bool(budget.kinds or budget.views)
+    kind = lambda r: f" (B of {r.budget_kind})" if per_kind else ""  # noqa: E731
     lines += ["", "why:"] + [f"  {r.candidate}: {r.verdict}{kind(r)}: {r.reason}"
                              + (f"\n    {r.training}" if r.training else "") for r in rows] if rows else []
     return "\n".join(lines)

@@ -20,11 +20,48 @@ from opdjax.core import mismatch
 from opdjax.core.errors import InputError
 from opdjax.pipeline.inputs import resolve_models
 
-__all__ = ["AdmissionError", "Budget", "load_budget", "setup_fingerprint", "calibration_warning"]
+__all__ = ["AdmissionError", "Budget", "TrainingView", "harmonic_mix", "load_budget", "setup_fingerprint",
+           "calibration_warning"]
 
 
 class AdmissionError(InputError):
     """A missing or malformed budget file, a malformed candidate, or a recipe that cannot be searched or served."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingView:
+    """A kind's B where training sees it (budget.json `kinds.<knob>.training`, `study.training_view_budget`): B and
+    its interval on training's M, and the training/probe M ratio r with its interval at each level the study trained
+    (levels_L increasing)."""
+
+    budget: float
+    interval: tuple[float, float]
+    levels_L: tuple[float, ...]
+    ratio_L: tuple[float, ...]
+    ratio_lo_L: tuple[float, ...]
+    ratio_hi_L: tuple[float, ...]
+
+    def ratio(self, level: float) -> tuple[float, float, float]:
+        """(r, lo, hi) at `level`: log-log interpolation between the two trained levels around it (each of r, lo, hi
+        on its own); outside the trained levels r is unknown and taken as max(1, every recorded hi) for all three
+        — the probe's own M when it overstates training's at every level (r <= 1), so the verdict there is no
+        laxer than on the probe's M."""
+        lv = self.levels_L
+        if not lv or not lv[0] <= level <= lv[-1]:
+            out = max([1.0, *self.ratio_hi_L])
+            return out, out, out
+        i = max(j for j in range(len(lv)) if lv[j] <= level)
+        if lv[i] == level or i == len(lv) - 1:
+            return self.ratio_L[i], self.ratio_lo_L[i], self.ratio_hi_L[i]
+        t = math.log(level / lv[i]) / math.log(lv[i + 1] / lv[i])
+        mid = lambda ys: math.exp((1 - t) * math.log(ys[i]) + t * math.log(ys[i + 1]))  # noqa: E731
+        return mid(self.ratio_L), mid(self.ratio_lo_L), mid(self.ratio_hi_L)
+
+    def in_probe_units(self, level: float) -> tuple[float, float, float]:
+        """(B / r, lo / r_hi, hi / r_lo): the probe M at which training's M (= r x probe M) meets B and each end of
+        its interval, with r's own interval counted against the candidate. M_probe <= B / r iff r M_probe <= B."""
+        r, r_lo, r_hi = self.ratio(level)
+        return self.budget / r, self.interval[0] / r_hi, self.interval[1] / r_lo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,16 +76,23 @@ class Budget:
     # B per kind of mismatch the study trained at several levels (resolved ones): knob -> (B, lo, hi); a kind
     # without a knee that was harmless up to M (NO_KNEE): (M, M, inf), so it can be ADMITted below M, never REJECTed
     kinds: Mapping[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
+    # kinds judged where training sees them (resolved ones): knob -> TrainingView
+    views: Mapping[str, TrainingView] = dataclasses.field(default_factory=dict)
 
-    def for_kind(self, knobs: set[str]) -> tuple[str, float, float, float]:
+    def for_kind(self, knobs: set[str], levels: Mapping[str, float] | None = None) -> tuple[str, float, float, float]:
         """(which, B, lo, hi) a candidate setting `knobs` (study knob names) is judged against: its own kind's B
-        when it sets one knob the study fitted a B for; else the envelope, the B with the lowest lower end over
-        the calibration knob and every kind with a knee (the harshest per unit of M measured) — for combinations
-        and kinds the study did not train. Without kinds: the calibration B ("weight_noise")."""
+        when it sets one knob the study fitted a B for — on training's M (`TrainingView.in_probe_units` at the
+        candidate's level, `levels[knob]`) when the kind has a view; else the envelope, the B with the lowest lower
+        end over the calibration knob and every kind with a knee (the harshest per unit of M measured) — for
+        combinations and kinds the study did not train. Without kinds: the calibration B ("weight_noise")."""
         lo, hi = self.interval or (self.budget, self.budget)
         own = {"weight_noise": (self.budget, lo, hi), **self.kinds}
-        if len(knobs) == 1 and next(iter(knobs)) in own:
-            k = next(iter(knobs))
+        k = next(iter(knobs)) if len(knobs) == 1 else None
+        level = (levels or {}).get(k)
+        if k in self.views and level is not None:
+            r = self.views[k].ratio(level)[0]
+            return (f"{k} on training's M (x{r:.3g})", *self.views[k].in_probe_units(level))
+        if k in own:
             return (k, *own[k])
         knees = [name for name in own if math.isfinite(own[name][2])]  # a kind without a knee bounds nothing
         if not self.kinds or len(knees) == 1:
@@ -56,18 +100,22 @@ class Budget:
         k = min(knees, key=lambda name: own[name][1])
         return (f"envelope ({k})", *own[k])
 
-    def for_shares(self, shares: Mapping[str, float]) -> tuple[str, float, float, float]:
+    def for_shares(self, shares: Mapping[str, float], levels: Mapping[str, float] | None = None
+                   ) -> tuple[str, float, float, float]:
         """(which, B, lo, hi) for a combination whose components probe alone at M shares s_k (kind -> s_k >= 0,
-        summing to 1): the harmonic mix B_mix = 1 / sum_k s_k / B_k of each component's own B (`for_kind`, so the
-        envelope for a kind the study has no B for), at B and at each end of its interval.
+        summing to 1): the harmonic mix B_mix = 1 / sum_k s_k / B_k of each component's own B (`for_kind` at its
+        level in `levels`, so the envelope for a kind the study has no B for), at B and at each end of its
+        interval.
 
         Where harm grows as M_k / B_k per kind and adds over kinds (the combination stays within budget while
         sum_k M_k / B_k <= 1), M = sum_k M_k is within budget iff M <= B_mix. A kind with no upper end (inf)
         contributes nothing to hi's sum; a mix of only such kinds keeps hi = inf.
         """
-        parts = {k: self.for_kind({k})[1:] for k in shares}
+        parts = {k: self.for_kind({k}, levels)[1:] for k in shares}
         mix = [harmonic_mix({k: (s, parts[k][i]) for k, s in shares.items()}) for i in range(3)]
-        label = ", ".join(f"{k} {100 * shares[k]:.3g}%" for k in sorted(shares, key=lambda k: -shares[k]))
+        viewed = {k for k in shares if k in self.views and (levels or {}).get(k) is not None}
+        seen = lambda k: " on training's M" if k in viewed else ""  # noqa: E731
+        label = ", ".join(f"{k}{seen(k)} {100 * shares[k]:.3g}%" for k in sorted(shares, key=lambda k: -shares[k]))
         return (f"shares ({label})", *mix)
 
 
@@ -115,7 +163,8 @@ def load_budget(path: str | pathlib.Path) -> Budget:
         raise AdmissionError(f"budget file {p}: 'calibrated_on' must be an object (a setup fingerprint), got {on!r}")
     return Budget(metric=metric, budget=float(b), delta=None if delta is None else float(delta), path=str(p),
                   calibrated_on=on, train_config=_recorded_train_config(p, d),
-                  interval=_interval(p, float(b), d.get("budget_interval")), kinds=_kinds(p, d.get("kinds")))
+                  interval=_interval(p, float(b), d.get("budget_interval")), kinds=_kinds(p, d.get("kinds")),
+                  views=_views(p, d.get("kinds")))
 
 
 def _kinds(p: pathlib.Path, kinds: Any) -> dict[str, tuple[float, float, float]]:
@@ -143,6 +192,40 @@ def _kinds(p: pathlib.Path, kinds: Any) -> dict[str, tuple[float, float, float]]
         lo, hi = _interval(p, float(b), k.get("budget_interval"), f"kinds.{knob}.budget_interval") or (b, b)
         out[str(knob)] = (float(b), lo, hi)
     return out
+
+
+def _views(p: pathlib.Path, kinds: Any) -> dict[str, TrainingView]:
+    """budget.json's `kinds.<knob>.training` (`study.training_view_budget`), the RESOLVED ones as knob ->
+    TrainingView; clear errors for a malformed one. (`_kinds` has already checked that `kinds` maps to objects.)"""
+    out = {}
+    for knob, k in (kinds or {}).items():
+        t = k.get("training")
+        if t is None or (isinstance(t, dict) and t.get("status") != "RESOLVED"):
+            continue
+        where = f"kinds.{knob}.training"
+        b = t.get("budget") if isinstance(t, dict) else None
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
+            raise AdmissionError(f"budget file {p}: {where} must be an object whose 'budget' is a finite number > 0 "
+                                 f"(B on training's M), got {str(t)[:80]}")
+        iv = _interval(p, float(b), t.get("budget_interval"), f"{where}.budget_interval") or (b, b)
+        out[str(knob)] = TrainingView(float(b), iv, *_ratios(p, where, t.get("ratios")))
+    return out
+
+
+def _ratios(p: pathlib.Path, where: str, rows: Any) -> tuple[tuple[float, ...], ...]:
+    """`ratios` [{"level", "ratio", "ratio_interval": [lo, hi]}] (levels increasing, 0 < lo <= ratio <= hi) ->
+    (levels, r, lo, hi) as tuples."""
+    def ok(r: Any) -> bool:
+        nums = [r.get("level"), r.get("ratio"), *(r.get("ratio_interval") or [None])] if isinstance(r, dict) else []
+        return (len(nums) == 4 and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                                       for x in nums) and 0 < nums[0] and 0 < nums[2] <= nums[1] <= nums[3])
+    if not isinstance(rows, list) or not rows or not all(ok(r) for r in rows) or any(
+            a["level"] >= b["level"] for a, b in zip(rows, rows[1:])):
+        raise AdmissionError(f"budget file {p}: {where}.ratios must be a non-empty list of {{'level', 'ratio', "
+                             f"'ratio_interval': [lo, hi]}} with levels > 0 increasing and 0 < lo <= ratio <= hi, "
+                             f"got {str(rows)[:80]}")
+    return tuple(tuple(float(v) for v in col) for col in zip(*[(r["level"], r["ratio"], *r["ratio_interval"])
+                                                                 for r in rows]))
 
 
 def _interval(p: pathlib.Path, b: float, iv: Any, name: str = "budget_interval") -> tuple[float, float] | None:

@@ -5,6 +5,7 @@ ratio of geometric means - 1, so one stalled seed cannot decide it), with `dose.
     baseline_stats   the baseline's reference values: geometric-mean reverse KL, mean accuracy, per-seed values
     point_effect     a point's quality loss and its CI against the baseline runs
     hinge_fit        fit "hinge" (default): B from a dose-response hinge over every run, stratified-bootstrap CI
+    train_probe_ratio  how much of the probe's M a point's training sees (training M / probe M) with its CI
     fit_budget       fits "isotonic" / "first_failure" over the points' quality losses
     mean_ci          a percentile bootstrap CI of a mean over seeds
     runs_verdict     admit / reject / borderline: a configuration's full-run verdict from a CI and delta
@@ -26,7 +27,7 @@ from opdjax.study.records import Point, RunResult
 __all__ = ["CI_LEVEL", "FITS", "QUALITIES", "aggregate", "baseline_stats", "budget_interval", "finite_mean",
            "calibration_rows", "fit_budget", "hinge_fit", "hinge_runs", "knee_bracket",
            "mean_ci", "monotone_q_loss", "point_effect", "probe_agrees", "quality_losses",
-           "runs_verdict", "straddles", "trivial_scores", "validity_scores"]
+           "runs_verdict", "straddles", "train_probe_ratio", "trivial_scores", "validity_scores"]
 
 FITS = ("hinge", "isotonic", "first_failure")
 
@@ -260,6 +261,21 @@ def budget_interval(rows: Sequence[Mapping[str, Any]], quality: str, delta: floa
     return float(lo), float(hi)
 
 
+def train_probe_ratio(row: Mapping[str, Any], *, n: int = 2000, seed: int = 0, level: float = CI_LEVEL
+                      ) -> tuple[float, float, float]:
+    """(r, lo, hi): how much of the probe's M a point's training sees, r = mean_s m_train_s / mean_s m_probe_s over
+    its seeds s (a `aggregate` row's "seeds"), with a percentile interval from resampling the seeds (each seed's
+    pair kept together). NaN when no seed has both M."""
+    pairs = np.asarray([(s["m_train"], s["m_probe"]) for s in row.get("seeds", ())
+                        if s.get("m_train") is not None and s.get("m_probe") is not None], np.float64)
+    if pairs.size == 0 or pairs[:, 1].sum() <= 0:
+        return math.nan, math.nan, math.nan
+    idx = np.random.default_rng(seed).integers(0, len(pairs), (n, len(pairs)))
+    draws = pairs[idx, 0].mean(1) / np.maximum(pairs[idx, 1].mean(1), 1e-300)
+    lo, hi = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
+    return float(pairs[:, 0].mean() / pairs[:, 1].mean()), float(lo), float(hi)
+
+
 def calibration_rows(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The rows B is fitted on: the baseline and the weight-noise levels when the sweep has two or more (the
     calibration knob; other kinds get their own fit in `kind_budgets`), else every row."""
@@ -267,24 +283,27 @@ def calibration_rows(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any
     return [r for r in rows if r["knob"] == "baseline"] + noise if len(noise) >= 2 else list(rows)
 
 
-def hinge_runs(rows: Sequence[Mapping[str, Any]], quality: str) -> tuple[list[float], list[Any], list[str]]:
-    """(m_R, value_R, group_R) of every run of the sweep rows with a probed M: the run's probe M, its final
-    reverse KL or accuracy (`quality`), and its group (the point's id; "baseline" for the baseline)."""
+def hinge_runs(rows: Sequence[Mapping[str, Any]], quality: str, x: str = "m_probe"
+               ) -> tuple[list[float], list[Any], list[str]]:
+    """(m_R, value_R, group_R) of every run of the sweep rows with that M: the run's M (`x`: "m_probe", the probe's,
+    or "m_train", the mean per-step M its training logged), its final reverse KL or accuracy (`quality`), and its
+    group (the point's id; "baseline" for the baseline)."""
     key = _key(quality)
-    runs = [(s["m_probe"], s[key], "baseline" if r["knob"] == "baseline" else r["id"])
-            for r in rows for s in r["seeds"] if s.get("m_probe") is not None]
+    runs = [(s[x], s[key], "baseline" if r["knob"] == "baseline" else r["id"])
+            for r in rows for s in r["seeds"] if s.get(x) is not None]
     m_R, v_R, g_R = (list(c) for c in zip(*runs)) if runs else ([], [], [])
     return m_R, v_R, g_R
 
 
 def hinge_fit(rows: Sequence[Mapping[str, Any]], quality: str, delta: float, factor: float, *, n: int = 1000,
-              seed: int = 0) -> tuple[float, list[float], dict[str, Any]]:
+              seed: int = 0, x: str = "m_probe") -> tuple[float, list[float], dict[str, Any]]:
     """Fit "hinge": B and its 95% interval from `dose.budget_bootstrap` over every run of the sweep rows (x = the
-    run's probe ln M, y = its `dose.run_scores`; groups = the points, the baseline's seeds resampled too), and the
+    run's ln M, probe's or training's as `hinge_runs`, y = its `dose.run_scores`; groups = the points, the
+    baseline's seeds resampled too), and the
     bracket: the measured M just within (<= B) and just beyond B, and `resolved` iff B is finite, no larger than the
     largest M measured (a knee found, not extrapolated), and the interval spans at most `factor` (hi / lo).
     Returns (B, [lo, hi], bracket)."""
-    m_R, v_R, g_R = hinge_runs(rows, quality)
+    m_R, v_R, g_R = hinge_runs(rows, quality, x)
     try:
         boot = dose.budget_bootstrap(m_R, dose.run_scores(v_R, quality), g_R, quality, delta, n=n, seed=seed)
     except ValueError as e:  # too few runs or levels to fit: no budget, and the study says why

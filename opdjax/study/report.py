@@ -177,10 +177,27 @@ def _kind_lines(result: Mapping[str, Any]) -> list[str]:
         f"B = {v['budget']:.3g} [{v['budget_interval'][0]:.3g}, {v['budget_interval'][1]:.3g}], {v['status']}"
         + ("" if v["status"] == "RESOLVED" else f" ({v['why']})")) for k, v in kinds.items()]
     return ["B per kind of mismatch, each fitted on the baseline and that kind's own levels (the headline B is the "
-            "weight-noise knob's; `opdjax admit` judges a candidate of a fitted kind against its kind's B, and "
-            "a combination of study knobs against its components' B mixed by their M shares, and other kinds "
-            "against the envelope, the B with the lowest lower end): "
-            + "; ".join(items) + ".", ""]
+            "weight-noise knob's; `opdjax admit` judges a candidate of a fitted kind against its kind's B, on "
+            "training's M where the kind has one, and a combination of study knobs against its components' B mixed "
+            "by their M shares, and other kinds against the envelope, the B with the lowest lower end): "
+            + "; ".join(items) + ".", *_view_lines(kinds), ""]
+
+
+def _view_lines(kinds: Mapping[str, Any]) -> list[str]:
+    """One line per kind judged on training's M (`study.training_view_budget`): its B there and the training/probe
+    M ratio at each level."""
+    out = []
+    for k, v in kinds.items():
+        t = v.get("training")
+        if not t:
+            continue
+        ratios = ", ".join(f"{x['level']:g}: {x['ratio']:.3g} [{x['ratio_interval'][0]:.3g}, "
+                           f"{x['ratio_interval'][1]:.3g}]" for x in t["ratios"])
+        out.append(f"{k} on training's M (the mean per-step M its runs logged): B = {t['budget']:.3g} "
+                   f"[{t['budget_interval'][0]:.3g}, {t['budget_interval'][1]:.3g}], {t['status']} ({t['why']}); "
+                   f"training/probe M ratio per level: {ratios}. `opdjax admit` multiplies a {k} candidate's probe "
+                   f"M by the ratio at its level (log-log between levels; 1 outside them) and judges it there.")
+    return out
 
 
 def _method_lines(result: Mapping[str, Any]) -> list[str]:

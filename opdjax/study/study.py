@@ -66,6 +66,7 @@ from opdjax.study.fit import (
     monotone_q_loss,
     point_effect,
     runs_verdict,
+    train_probe_ratio,
 )
 from opdjax.study.phenomena import phenomena
 from opdjax.study.records import Point, RunResult, noise_point
@@ -428,12 +429,19 @@ def _fit_rows(study: StudyConfig, rows: list[dict[str, Any]]) -> tuple[float, di
     return budget, bracket, interval
 
 
+# Kinds whose probe M is taken where training does not see it, so `admit` judges them on training's M: staleness k
+# is probed k versions behind a learner just past its warm-up (the run's largest steps), while training's later,
+# smaller steps keep its per-step M several times lower (0.07-0.52 of the probe's on sort16_qwen3).
+TRAINING_VIEW = ("staleness",)
+
+
 def kind_budgets(study: StudyConfig, rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """B per kind of mismatch, for each knob other than weight noise that the sweep trained at >= 2 levels (e.g.
     staleness 2, 4, 8): `hinge_fit` over the baseline and that knob's rows. {knob: {"budget", "budget_interval",
     "status", "why", "levels"}}; status RESOLVED / UNRESOLVED as the main B's bracket, or NO_KNEE (with
     "harmless_up_to", `harmless_up_to`) when the fit finds no knee within the levels and they are harmless up to
-    some M. A budget per kind lets `admit` judge a candidate against the harm its own kind does per unit of M."""
+    some M. A kind in `TRAINING_VIEW` also gets "training" (`training_view_budget`). A budget per kind lets
+    `admit` judge a candidate against the harm its own kind does per unit of M."""
     base = [r for r in rows if r["knob"] == "baseline"]
     out = {}
     for knob in sorted({r["knob"] for r in rows} - {"baseline", "weight_noise"}):
@@ -446,7 +454,25 @@ def kind_budgets(study: StudyConfig, rows: Sequence[Mapping[str, Any]]) -> dict[
         harmless = harmless_up_to(mine)
         if not br["resolved"] and harmless and (not math.isfinite(b) or br.get("beyond") is None):
             out[knob].update(status="NO_KNEE", harmless_up_to=harmless)
+        if knob in TRAINING_VIEW:
+            out[knob]["training"] = training_view_budget(study, base, mine)
     return out
+
+
+def training_view_budget(study: StudyConfig, base: Sequence[Mapping[str, Any]],
+                         mine: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A kind's B where training sees it: `hinge_fit` with x = each run's training M (the baseline's and the kind's
+    runs), and per level the training/probe M ratio with its seed interval (`fit.train_probe_ratio`), which
+    converts a probe's M into training's: {"budget", "budget_interval", "status", "why", "ratios": [{"level",
+    "ratio", "ratio_interval"}]} (levels in increasing order)."""
+    b, iv, br = hinge_fit([*base, *mine], study.quality, study.delta, study.knee.factor, x="m_train")
+    ratios = []
+    for r in sorted(mine, key=lambda r: float(r["value"])):
+        q, lo, hi = train_probe_ratio(r)
+        if math.isfinite(q):
+            ratios.append({"level": r["value"], "ratio": q, "ratio_interval": [lo, hi]})
+    return {"budget": b, "budget_interval": iv, "status": "RESOLVED" if br["resolved"] else "UNRESOLVED",
+            "why": br["why"], "ratios": ratios}
 
 
 def harmless_up_to(rows: Sequence[Mapping[str, Any]]) -> float | None:

@@ -629,3 +629,51 @@ def test_weight_noise_of_another_mode_is_not_matched_to_the_studys_noise_point()
     assert admit.matching_point(points, "rollout.weight_noise=0.5") is points[0]
     assert admit.matching_point(points, "rollout.weight_noise=0.5,rollout.noise_mode=per_version") is None
     assert admit.matching_point(points, "rollout.weight_noise=0.5,rollout.noise_mode=fixed") is points[0]
+
+
+VIEW = {"budget": 2.0, "budget_interval": [1.0, 4.0], "status": "RESOLVED", "why": "x2 <= 3",
+        "ratios": [{"level": 4, "ratio": 0.1, "ratio_interval": [0.08, 0.12]},
+                   {"level": 16, "ratio": 0.4, "ratio_interval": [0.3, 0.5]}]}
+
+
+def test_training_view_interpolates_its_ratio_log_log_and_takes_one_outside_the_trained_levels():
+    v = bio.TrainingView(2.0, (1.0, 4.0), (4.0, 16.0), (0.1, 0.4), (0.08, 0.3), (0.12, 0.5))
+    assert v.ratio(4) == (0.1, 0.08, 0.12) and v.ratio(16) == (0.4, 0.3, 0.5)
+    # k = 8 halfway in log k: the geometric means of the ends
+    assert v.ratio(8) == pytest.approx((0.2, math.sqrt(0.08 * 0.3), math.sqrt(0.12 * 0.5)))
+    assert v.ratio(2) == v.ratio(40) == (1.0, 1.0, 1.0)
+    assert v.in_probe_units(8) == pytest.approx((2.0 / 0.2, 1.0 / math.sqrt(0.06), 4.0 / math.sqrt(0.024)))
+    wide = bio.TrainingView(2.0, (1.0, 4.0), (4.0,), (0.9,), (0.8,), (1.3,))
+    assert wide.ratio(8) == (1.3, 1.3, 1.3)  # a recorded ratio above 1: outside, the largest upper end
+
+
+def test_a_staleness_candidate_is_judged_on_trainings_m_at_its_level(tmp_path, monkeypatch):
+    kinds = {"staleness": {"budget": 6.0, "budget_interval": [5.0, 8.0], "status": "RESOLVED", "training": VIEW}}
+    path = write_budget(tmp_path, budget=0.01, budget_interval=[0.008, 0.012], kinds=kinds)
+    b = load_budget(path)
+    assert set(b.views) == {"staleness"} and b.views["staleness"].levels_L == (4.0, 16.0)
+    which, mid, lo, hi = admit.judged_against(b, ["rollout.stale_versions=16"], lambda g: 0.0)
+    assert which == "staleness on training's M (x0.4)" and (mid, lo, hi) == pytest.approx((5.0, 2.0, 40 / 3))
+    assert b.for_kind({"staleness"}) == ("staleness", 6.0, 5.0, 8.0)  # no level: the probe-M fit
+    which, mid, _, _ = admit.judged_against(b, ["rollout.recipe=fp8_w8a8", "rollout.stale_versions=4"],
+                                            lambda g: 1.0)
+    # recipe at the envelope (0.01), staleness at 2 / 0.1 = 20 on the probe's scale, half and half
+    assert which == "shares (recipe 50%, staleness on training's M 50%)"
+    assert mid == pytest.approx(1 / (0.5 / 0.01 + 0.5 / 20))
+    line = admit.view_line(b, ["rollout.stale_versions=16"], 10.0)
+    assert "M x 0.4 [0.3, 0.5] = 4.000e+00" in line and "B on training's M 2.000e+00" in line
+    assert "the ratio is taken as 1" in admit.view_line(b, ["rollout.stale_versions=64"], 10.0)
+    assert admit.view_line(b, ["rollout.weight_noise=0.1"], 1.0) is None
+    assert admit.candidate_levels(["rollout.stale_versions=12", "rollout.recipe=fp8_w8a8"]) == {"staleness": 12.0}
+
+
+def test_an_unresolved_training_view_is_no_view_and_a_malformed_one_is_refused(tmp_path):
+    kinds = {"staleness": {"budget": 6.0, "budget_interval": [5.0, 8.0], "status": "RESOLVED",
+                           "training": {**VIEW, "status": "UNRESOLVED"}}}
+    assert load_budget(write_budget(tmp_path, kinds=kinds)).views == {}
+    bad = {**VIEW, "ratios": [VIEW["ratios"][1], VIEW["ratios"][0]]}  # levels not increasing
+    with pytest.raises(AdmissionError, match="kinds.staleness.training.ratios must be"):
+        load_budget(write_budget(tmp_path, kinds={"staleness": {**kinds["staleness"], "training": bad}}))
+    with pytest.raises(AdmissionError, match="kinds.staleness.training must be an object"):
+        load_budget(write_budget(tmp_path, kinds={"staleness": {**kinds["staleness"],
+                                                                "training": {**VIEW, "budget": -1}}}))

@@ -518,3 +518,28 @@ def test_a_kind_that_never_harms_is_harmless_up_to_its_largest_admitted_level():
     study = study_config.load_study(None, ["delta=2.0", "quality=reverse_kl", "fit=hinge"])
     k = study_mod.kind_budgets(study, flat)["staleness"]
     assert k["status"] == "NO_KNEE" and k["harmless_up_to"] == pytest.approx(12.0)
+
+
+def test_train_probe_ratio_is_the_ratio_of_seed_means_with_a_seed_interval():
+    row = {"seeds": [{"m_probe": 2.0, "m_train": 0.2}, {"m_probe": 4.0, "m_train": 1.0},
+                     {"m_probe": 2.0, "m_train": None}]}
+    r, lo, hi = fit.train_probe_ratio(row)
+    assert r == pytest.approx(1.2 / 6.0) and 0.1 <= lo <= r <= hi <= 0.25
+    assert all(math.isnan(x) for x in fit.train_probe_ratio({"seeds": [{"m_probe": 1.0}]}))
+
+
+def test_staleness_also_gets_a_budget_on_trainings_m_and_its_training_probe_ratio_per_level():
+    rows = _kind_rows()
+    for r in rows:  # training sees a quarter of the probe's staleness M, all of the rest
+        c = 0.25 if r["knob"] == "staleness" else 1.0
+        r["seeds"] = [{**s, "m_train": c * s["m_probe"]} for s in r["seeds"]]
+    study = study_config.load_study(None, ["delta=2.0", "quality=reverse_kl", "fit=hinge"])
+    k = study_mod.kind_budgets(study, rows)["staleness"]
+    t = k["training"]
+    assert t["status"] == "RESOLVED" and t["budget"] == pytest.approx(0.25 * k["budget"], rel=0.05)
+    assert [x["level"] for x in t["ratios"]] == [2, 4, 8, 16]
+    assert all(x["ratio"] == pytest.approx(0.25) and x["ratio_interval"] == pytest.approx([0.25, 0.25])
+               for x in t["ratios"])
+    assert "training" not in study_mod.kind_budgets(study, [r for r in rows if r["knob"] != "staleness"]
+                                                    + [{**r, "knob": "recipe"} for r in rows
+                                                       if r["knob"] == "staleness"])["recipe"]
