@@ -677,3 +677,17 @@ def test_an_unresolved_training_view_is_no_view_and_a_malformed_one_is_refused(t
     with pytest.raises(AdmissionError, match="kinds.staleness.training must be an object"):
         load_budget(write_budget(tmp_path, kinds={"staleness": {**kinds["staleness"],
                                                                 "training": {**VIEW, "budget": -1}}}))
+
+
+def test_the_committed_sort16_budget_gives_the_b_each_fresh_staleness_candidate_was_judged_against():
+    """The third fresh validity set (docs/results/budget_scaling/sort16_qwen3/validity_fresh3) was judged by the
+    committed budget's training view: each one-kind candidate's recorded B interval comes back from the file."""
+    root = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "budget_scaling" / "sort16_qwen3"
+    b = load_budget(root / "budget.json")
+    assert b.views["staleness"].levels_L == (4.0, 8.0, 16.0, 32.0)
+    rows = json.loads((root / "validity_fresh3" / "validity.json").read_text())["rows"]
+    single = [r for r in rows if "," not in r["candidate"]]
+    assert len(single) >= 8
+    for r in single:
+        which, _, lo, hi = admit.judged_against(b, admit.split_candidate(r["candidate"]), lambda g: 0.0)
+        assert (which, [lo, hi]) == (r["budget_kind"], pytest.approx(r["budget_interval"])), r["candidate"]

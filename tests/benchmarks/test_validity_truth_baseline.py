@@ -16,7 +16,8 @@ def bench():
     return load_benchmark("validity_truth_baseline")
 
 
-@pytest.mark.parametrize("validity", ["validity.json", "validity_fresh/validity.json", "validity_fresh2/validity.json"])
+@pytest.mark.parametrize("validity", ["validity.json", *(f"validity_fresh{s}/validity.json" for s in (
+    "", "2", "3", "_trainview", "2_trainview", "3_oldrule"))])
 def test_rejudging_against_the_study_baseline_gives_back_the_committed_truth(bench, validity):
     v = json.loads((OUT / validity).read_text())
     bj = json.loads((OUT / "budget.json").read_text())
