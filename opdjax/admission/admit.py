@@ -289,7 +289,8 @@ def view_line(budget: Budget, parts: Sequence[str], m: float) -> str | None:
     v, level = budget.views[k], levels[k]
     r, lo, hi = v.ratio(level)
     inside = v.levels_L[0] <= level <= v.levels_L[-1]
-    where = ("the study's ratio between its levels, log-log interpolated" if inside else f"outside the trained levels {v.levels_L[0]:g}-{v.levels_L[-1]:g}: the ratio is taken as {r:.3g}")
+    where = ("the study's ratio between its levels, log-log interpolated" if inside else
+             f"outside the trained levels {v.levels_L[0]:g}-{v.levels_L[-1]:g}: the ratio is taken as {r:.3g}")
     return (f"judged on training's M: training sees about M x {r:.3g} [{lo:.3g}, {hi:.3g}] = {m * r:.3e} ({where}) "
             f"against B on training's M {v.budget:.3e} [{v.interval[0]:.3e}, {v.interval[1]:.3e}]")
 

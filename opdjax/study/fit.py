@@ -298,10 +298,10 @@ def hinge_runs(rows: Sequence[Mapping[str, Any]], quality: str, x: str = "m_prob
 def hinge_fit(rows: Sequence[Mapping[str, Any]], quality: str, delta: float, factor: float, *, n: int = 1000,
               seed: int = 0, x: str = "m_probe") -> tuple[float, list[float], dict[str, Any]]:
     """Fit "hinge": B and its 95% interval from `dose.budget_bootstrap` over every run of the sweep rows (x = the
-    run's ln M, probe's or training's as `hinge_runs`, y = its `dose.run_scores`; groups = the points, the
-    baseline's seeds resampled too), and the
-    bracket: the measured M just within (<= B) and just beyond B, and `resolved` iff B is finite, no larger than the
-    largest M measured (a knee found, not extrapolated), and the interval spans at most `factor` (hi / lo).
+    run's ln M, the probe's or training's as `hinge_runs`' `x`, y = its `dose.run_scores`; groups = the points,
+    the baseline's seeds resampled too), and the bracket: the measured M just within (<= B) and just beyond B, and
+    `resolved` iff B is finite, no larger than the largest M measured (a knee found, not extrapolated), and the
+    interval spans at most `factor` (hi / lo).
     Returns (B, [lo, hi], bracket)."""
     m_R, v_R, g_R = hinge_runs(rows, quality, x)
     try:

@@ -691,3 +691,14 @@ def test_the_committed_sort16_budget_gives_the_b_each_fresh_staleness_candidate_
     for r in single:
         which, _, lo, hi = admit.judged_against(b, admit.split_candidate(r["candidate"]), lambda g: 0.0)
         assert (which, [lo, hi]) == (r["budget_kind"], pytest.approx(r["budget_interval"])), r["candidate"]
+
+
+def test_the_admit_table_names_b_on_trainings_m_and_the_ratio_behind_a_staleness_verdict(tmp_path):
+    kinds = {"staleness": {"budget": 6.0, "budget_interval": [5.0, 8.0], "status": "RESOLVED", "training": VIEW}}
+    b = load_budget(write_budget(tmp_path, budget=0.01, budget_interval=[0.008, 0.012], kinds=kinds))
+    rows = admit.admit(["rollout.stale_versions=8"], b, probe_fn=StaleProbe(), log=lambda s: None)
+    # M 0.08 [0.072, 0.088]; r(8) = 0.2 [0.155, 0.245]: B on the probe's scale [1 / 0.245, 4 / 0.155]
+    assert rows[0].verdict == "ADMIT" and rows[0].budget_interval == pytest.approx([1 / 0.2449, 4 / 0.1549], rel=1e-3)
+    text = admit.format_admit_table(rows, b)
+    assert "B for staleness on training's M: 2.000e+00 [1.000e+00, 4.000e+00]" in text
+    assert "(B of staleness on training's M (x0.2))" in text and "training sees about M x 0.2" in text
