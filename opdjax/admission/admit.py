@@ -173,7 +173,7 @@ def admit(candidates: Sequence[str], budget: Budget, *, config: str | Mapping[st
                              tokens=int(r.tokens), metrics=dict(r.metrics), batches=int(r.batches), risk=risk,
                              reason=r.reason or explain(v, r.m, r.ci_low, r.ci_high, b_lo, r.batches,
                                                         max_batches, risk, b_hi),
-                             budget_interval=None if budget.interval is None and not (budget.kinds or budget.views) else
+                             budget_interval=None if budget.interval is None and not budget.per_kind else
                              [b_lo, b_hi if math.isfinite(b_hi) else None],
                              training=view_line(budget, parts, float(r.m))
                              or training_view(study_points, text, float(r.m)) or "", budget_kind=which))
@@ -220,7 +220,7 @@ def judged_against(budget: Budget, parts: Sequence[str],
     alone (`m_alone(parts)`, probed on the same setup) as a share of their sum (`Budget.for_shares`); the envelope
     when those M do not sum to a positive number. B is always in the probe's units (the M the verdict compares)."""
     levels = candidate_levels(parts)
-    groups = component_parts(parts) if budget.kinds or budget.views else None
+    groups = component_parts(parts) if budget.per_kind else None
     if groups is None:
         return budget.for_kind(candidate_knobs(parts), levels)
     ms = {kind: max(float(m_alone(group)), 0.0) for kind, group in groups.items()}
@@ -280,13 +280,12 @@ def training_view(points: Sequence[Mapping[str, Any]], candidate: str, m: float)
 
 
 def view_line(budget: Budget, parts: Sequence[str], m: float) -> str | None:
-    """One line for a candidate of one kind judged on training's M (`Budget.views`): the ratio at its level and the
-    M training sees, against B on training's M. None for any other candidate."""
-    knobs, levels = candidate_knobs(parts), candidate_levels(parts)
-    k = next(iter(knobs)) if len(knobs) == 1 else None
-    if k not in budget.views or k not in levels:
+    """One line for a candidate judged on training's M (`Budget.view_for`, as its verdict): the ratio at its level
+    and the M training sees, against B on training's M. None for any other candidate."""
+    seen = budget.view_for(candidate_knobs(parts), candidate_levels(parts))
+    if seen is None:
         return None
-    v, level = budget.views[k], levels[k]
+    _, v, level = seen
     r, lo, hi = v.ratio(level)
     inside = v.levels_L[0] <= level <= v.levels_L[-1]
     where = ("the study's ratio between its levels, log-log interpolated" if inside else
@@ -322,11 +321,11 @@ def format_admit_table(rows: Sequence[AdmitRow], budget: Budget | None = None) -
         lines += [f"  B for {k} on training's M: {v.budget:.3e} [{v.interval[0]:.3e}, {v.interval[1]:.3e}]; a "
                   f"probe's M x the training/probe ratio at its level (trained levels "
                   f"{', '.join(f'{x:g}' for x in v.levels_L)}) is judged against it" for k, v in budget.views.items()]
-        if budget.kinds or budget.views:
+        if budget.per_kind:
             lines.append("  a candidate of one fitted kind is judged against its kind's B; a combination of study "
                          "knobs against its components' B mixed by their M shares; other kinds against the envelope "
                          "(the B with the lowest lower end)")
-    per_kind = budget is not None and bool(budget.kinds or budget.views)
+    per_kind = budget is not None and budget.per_kind
     kind = lambda r: f" (B of {r.budget_kind})" if per_kind else ""  # noqa: E731
     lines += ["", "why:"] + [f"  {r.candidate}: {r.verdict}{kind(r)}: {r.reason}"
                              + (f"\n    {r.training}" if r.training else "") for r in rows] if rows else []

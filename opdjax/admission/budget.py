@@ -87,11 +87,11 @@ class Budget:
         combinations and kinds the study did not train. Without kinds: the calibration B ("weight_noise")."""
         lo, hi = self.interval or (self.budget, self.budget)
         own = {"weight_noise": (self.budget, lo, hi), **self.kinds}
+        seen = self.view_for(knobs, levels)
+        if seen is not None:
+            k, view, level = seen
+            return (f"{k} on training's M (x{view.ratio(level)[0]:.3g})", *view.in_probe_units(level))
         k = next(iter(knobs)) if len(knobs) == 1 else None
-        level = (levels or {}).get(k)
-        if k in self.views and level is not None:
-            r = self.views[k].ratio(level)[0]
-            return (f"{k} on training's M (x{r:.3g})", *self.views[k].in_probe_units(level))
         if k in own:
             return (k, *own[k])
         knees = [name for name in own if math.isfinite(own[name][2])]  # a kind without a knee bounds nothing
@@ -99,6 +99,19 @@ class Budget:
             return ("weight_noise", *own["weight_noise"])
         k = min(knees, key=lambda name: own[name][1])
         return (f"envelope ({k})", *own[k])
+
+    @property
+    def per_kind(self) -> bool:
+        """Whether the study fitted anything beyond the calibration B (a B per kind, or a kind on training's M)."""
+        return bool(self.kinds or self.views)
+
+    def view_for(self, knobs: set[str], levels: Mapping[str, float] | None = None
+                 ) -> tuple[str, TrainingView, float] | None:
+        """(kind, its TrainingView, the candidate's level) when a candidate setting `knobs` is judged on training's
+        M: it sets one kind, the budget has a view of that kind, and `levels` gives its level; else None."""
+        k = next(iter(knobs)) if len(knobs) == 1 else None
+        level = (levels or {}).get(k)
+        return None if k not in self.views or level is None else (k, self.views[k], level)
 
     def for_shares(self, shares: Mapping[str, float], levels: Mapping[str, float] | None = None
                    ) -> tuple[str, float, float, float]:
@@ -113,7 +126,7 @@ class Budget:
         """
         parts = {k: self.for_kind({k}, levels)[1:] for k in shares}
         mix = [harmonic_mix({k: (s, parts[k][i]) for k, s in shares.items()}) for i in range(3)]
-        viewed = {k for k in shares if k in self.views and (levels or {}).get(k) is not None}
+        viewed = {k for k in shares if self.view_for({k}, levels) is not None}
         seen = lambda k: " on training's M" if k in viewed else ""  # noqa: E731
         label = ", ".join(f"{k}{seen(k)} {100 * shares[k]:.3g}%" for k in sorted(shares, key=lambda k: -shares[k]))
         return (f"shares ({label})", *mix)
